@@ -1,0 +1,137 @@
+"""Sentence-pair objectives: next-sentence prediction (BERT) and sentence-order prediction (ALBERT).
+
+Follows the BERT reference's `create_instances_from_document`: sentences are gathered into a chunk
+until it reaches the target length (the maximum, or with probability short_seq_prob a random
+shorter one), the chunk is split at a random sentence boundary into A and B, and
+
+- NSP: with probability 0.5 (always for a one-sentence chunk) B is replaced by sentences from a
+  random other document (label 1) and the unused sentences are put back; else label 0. Unlike the
+  reference, a one-sentence chunk left at a document's end is skipped rather than made a forced
+  negative, so labels stay balanced (the reference gives ~70% negatives on short documents).
+- SOP: A and B are swapped with probability 0.5 (label 1). A one-sentence chunk has no order to
+  predict and is skipped; B never comes from another document.
+
+Then the pair is truncated to the length budget, removing tokens from the front or the back of
+the longer segment at random.
+"""
+import seqio
+import tensorflow as tf
+
+NSP, SOP = "nsp", "sop"
+
+
+def _randint(seed, low, high):
+  """Uniform int32 in [low, high] inclusive."""
+  return tf.random.stateless_uniform([], seed, minval=low, maxval=high + 1, dtype=tf.int32)
+
+
+def _random_continuation(lengths, target_tokens, seed):
+  """Sentence range [start, end) of a document starting at a random sentence, with >= target_tokens."""
+  count = tf.size(lengths)
+  start = _randint(seed, 0, count - 1)
+  cumulative = tf.cumsum(lengths)
+  wanted = cumulative[start] - lengths[start] + target_tokens
+  end = tf.cast(tf.searchsorted(cumulative, [wanted], side="left")[0], tf.int32) + 1
+  return start, tf.clip_by_value(end, start + 1, count)
+
+
+def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_prob: float, mode: str):
+  """Sentence ranges of every pair one document yields.
+
+  lengths: int32 [num_sentences] of this document; other_lengths: of a random other document
+  (NSP only). Returns int32 [num_pairs, 7]: a_start, a_end, b_from_other, b_start, b_end, label,
+  and a per-pair seed component.
+  """
+  num_sentences = tf.size(lengths)
+  seeds = tf.random.experimental.stateless_split(seed, 2)
+  short = tf.random.stateless_uniform([], seeds[0]) < short_seq_prob
+  target = tf.where(short, _randint(seeds[1], 2, max_num_tokens), max_num_tokens)
+
+  def body(i, chunk_start, chunk_tokens, pairs):
+    chunk_tokens += lengths[i]
+    closes = (i == num_sentences - 1) | (chunk_tokens >= target)
+    step_seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(seed, i), 4)
+    n = i - chunk_start + 1
+    a_end = chunk_start + tf.where(n >= 2, _randint(step_seeds[0], 1, tf.maximum(n - 1, 1)), 1)
+    coin = tf.random.stateless_uniform([], step_seeds[1]) < 0.5
+    if mode == NSP:
+      random_next = (n == 1) | coin
+      a_tokens = tf.reduce_sum(lengths[chunk_start:a_end])
+      other_start, other_end = _random_continuation(other_lengths, target - a_tokens, step_seeds[2])
+      pair = tf.where(random_next, [chunk_start, a_end, 1, other_start, other_end, 1, i],
+                      [chunk_start, a_end, 0, a_end, i + 1, 0, i])
+      # A lone leftover sentence at the document's end could only be a forced negative: skip it,
+      # which keeps labels balanced on corpora of short documents.
+      emit = closes & ((n >= 2) | (i < num_sentences - 1))
+      next_i = tf.where(random_next, a_end, i + 1)  # unused sentences go back to the pool
+    else:
+      pair = tf.where(coin, [a_end, i + 1, 0, chunk_start, a_end, 1, i], [chunk_start, a_end, 0, a_end, i + 1, 0, i])
+      emit = closes & (n >= 2)
+      next_i = i + 1
+    pairs = tf.cond(emit, lambda: tf.concat([pairs, pair[None]], 0), lambda: pairs)
+    return (tf.where(closes, next_i, i + 1), tf.where(closes, next_i, chunk_start),
+            tf.where(closes, 0, chunk_tokens), pairs)
+
+  _, _, _, pairs = tf.while_loop(
+      lambda i, *_: i < num_sentences, body,
+      (tf.constant(0), tf.constant(0), tf.constant(0), tf.zeros([0, 7], tf.int32)),
+      shape_invariants=(tf.TensorShape([]),) * 3 + (tf.TensorShape([None, 7]),))
+  return pairs
+
+
+def truncate_pair(a, b, max_num_tokens: int, seed):
+  """The reference's truncate_seq_pair in closed form: trim the longer segment one token at a time
+  (from the front or back at random) until the pair fits."""
+  len_a, len_b = tf.size(a), tf.size(b)
+  excess = tf.maximum(len_a + len_b - max_num_tokens, 0)
+  # Trimming the longer first equalises the lengths, then trimming alternates (b first on ties).
+  first = tf.minimum(excess, tf.abs(len_a - len_b))
+  rest = excess - first
+  cut_a = tf.where(len_a > len_b, first, 0) + rest // 2
+  cut_b = tf.where(len_a > len_b, 0, first) + rest - rest // 2
+  seed_a, seed_b = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  front_a = tf.cast(tf.random.stateless_binomial([], seed_a, tf.cast(cut_a, tf.float32), 0.5), tf.int32)
+  front_b = tf.cast(tf.random.stateless_binomial([], seed_b, tf.cast(cut_b, tf.float32), 0.5), tf.int32)
+  return a[front_a:len_a - (cut_a - front_a)], b[front_b:len_b - (cut_b - front_b)]
+
+
+@seqio.map_over_dataset(num_seeds=1)
+def _attach_plan(example, seed, **plan_kwargs):
+  plan = plan_pairs(tf.cast(example["sentences"].row_lengths(), tf.int32),
+                    tf.cast(example["other"].row_lengths(), tf.int32), seed, **plan_kwargs)
+  return {**example, "plan": plan, "seed": seed}
+
+
+def sentence_pairs(dataset: tf.data.Dataset, sequence_length, *, mode: str, short_seq_prob: float = 0.1,
+                   random_document_buffer: int = 1000) -> tf.data.Dataset:
+  """{'sentences': ragged [s, None]} documents -> {'tokens_a', 'tokens_b', 'label'} pairs whose
+  tokens fit sequence_length['input_ids'] with [CLS], [SEP], [SEP] added.
+
+  For NSP each document is zipped with a random document from a shuffled copy of the stream.
+  """
+  max_num_tokens = sequence_length["input_ids"] - 3
+  if mode not in (NSP, SOP):
+    raise ValueError(f"sentence pair mode={mode!r}: expected {NSP!r} or {SOP!r}")
+  # A one-sentence document can only yield a random-next pair (NSP) or nothing (SOP): skip it, or
+  # corpora of short documents would make NSP labels mostly 1.
+  dataset = dataset.filter(lambda ex: ex["sentences"].nrows() >= 2)
+  # A fixed shuffle seed keeps the pipeline deterministic; per-example randomness comes from seqio seeds.
+  others = dataset.shuffle(random_document_buffer, seed=17).map(lambda ex: ex["sentences"])
+  documents = tf.data.Dataset.zip(dataset, others).map(lambda ex, other: {"sentences": ex["sentences"], "other": other})
+  documents = _attach_plan(documents, max_num_tokens=max_num_tokens, short_seq_prob=short_seq_prob, mode=mode)
+
+  def pairs_of(example):
+    sentences, other = example["sentences"], example["other"]
+
+    def tokens(doc, start, end):
+      return doc.values[doc.row_splits[start]:doc.row_splits[end]]
+
+    def build(row):
+      a = tokens(sentences, row[0], row[1])
+      b = tf.cond(row[2] > 0, lambda: tokens(other, row[3], row[4]), lambda: tokens(sentences, row[3], row[4]))
+      a, b = truncate_pair(a, b, max_num_tokens, tf.random.experimental.stateless_fold_in(example["seed"], row[6]))
+      return {"tokens_a": a, "tokens_b": b, "label": row[5]}
+
+    return tf.data.Dataset.from_tensor_slices(example["plan"]).map(build)
+
+  return documents.flat_map(pairs_of)

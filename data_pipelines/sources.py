@@ -1,0 +1,97 @@
+"""Data sources: every source yields documents as {'text': sentences joined by '\\n'}.
+
+Plain text files follow the BERT reference format: one sentence per line, a blank line between
+documents. TFDS datasets (wikipedia, bookcorpus, c4, ...) are read with `seqio.TfdsDataSource`
+and normalised to the same document format by `tfds_to_documents`.
+"""
+from typing import Mapping, Optional, Sequence, Union
+
+import seqio
+import tensorflow as tf
+from absl import logging
+
+_BLANK_LINES = r"\n[ \t\r]*\n[\s]*"  # one or more blank (or whitespace-only) lines
+_DOCUMENT_BREAK = "\x1e"  # ASCII record separator: cannot occur in decoded text lines
+
+
+def split_documents(file_content: tf.Tensor) -> tf.data.Dataset:
+  """One file's bytes -> dataset of {'text'} documents.
+
+  Bytes that are not UTF-8 become U+FFFD rather than failing the pipeline; whitespace-only lines
+  end a document like blank lines do; empty documents are dropped.
+  """
+  text = tf.strings.unicode_transcode(file_content, "UTF-8", "UTF-8", errors="replace")
+  text = tf.strings.regex_replace(text, "\r\n?", "\n")
+  text = tf.strings.regex_replace(text, _BLANK_LINES, _DOCUMENT_BREAK)
+  documents = tf.strings.strip(tf.strings.split(text, _DOCUMENT_BREAK))
+  documents = tf.boolean_mask(documents, tf.strings.length(documents) > 0)
+  return tf.data.Dataset.from_tensor_slices({"text": documents})
+
+
+class TextDocumentSource(seqio.DataSource):
+  """Plain-text files in the BERT reference format; shards by file when there are enough files."""
+
+  def __init__(self, split_to_filepattern: Mapping[str, Union[str, Sequence[str]]], setting: str = "TRAIN_FILES"):
+    super().__init__(splits=tuple(split_to_filepattern))
+    self._patterns = dict(split_to_filepattern)
+    self._setting = setting
+    self._files = {}
+
+  @property
+  def supports_arbitrary_sharding(self) -> bool:
+    return False
+
+  def list_shards(self, split: str) -> Sequence[str]:
+    if split not in self._files:
+      self._files[split] = self._resolve(split)
+    return self._files[split]
+
+  def _resolve(self, split: str) -> Sequence[str]:
+    """Non-empty files matching the split's pattern; empty ones are skipped and counted."""
+    if split not in self._patterns:
+      raise ValueError(f"{self._setting}: no files configured for split {split!r} (have {sorted(self._patterns)})")
+    pattern = self._patterns[split]
+    files = seqio.utils.list_files(pattern)
+    if not files:
+      raise FileNotFoundError(f"{self._setting}={pattern!r} matches no files")
+    empty = [f for f in files if tf.io.gfile.stat(f).length == 0]
+    if empty:
+      logging.warning("skipping %d empty file(s) of %s, e.g. %s", len(empty), pattern, empty[0])
+      print(f"warning: skipping {len(empty)} empty file(s) matching {pattern!r}, e.g. {empty[0]}")
+    files = [f for f in files if f not in empty]
+    if not files:
+      raise ValueError(f"{self._setting}={pattern!r}: every matching file is empty")
+    return files
+
+  def get_dataset(self, split: str = "train", shuffle: bool = True, seed: Optional[int] = None,
+                  shard_info: Optional[seqio.ShardInfo] = None, *, sequence_length=None, use_cached=False,
+                  num_epochs=1) -> tf.data.Dataset:
+    del sequence_length, use_cached, num_epochs
+    files = list(self.list_shards(split))
+    if shard_info:
+      files = files[shard_info.index::shard_info.num_shards]
+    ds = tf.data.Dataset.from_tensor_slices(files)
+    if shuffle:
+      ds = ds.shuffle(len(files), seed=seed)
+    return ds.map(tf.io.read_file).flat_map(split_documents)
+
+
+def tfds_to_documents(dataset: tf.data.Dataset, text_key: str = "text") -> tf.data.Dataset:
+  """seqio preprocessor: TFDS records -> {'text': one sentence per line}.
+
+  Wikipedia-style text has a paragraph per line; sentences are split after . ! ? followed by a
+  capital letter (a heuristic: good enough for pretraining pairs, not for linguistics).
+  """
+  def to_document(example):
+    text = tf.strings.regex_replace(example[text_key], r"([.!?]) +([A-Z])", "\\1\n\\2")
+    text = tf.strings.regex_replace(text, r"\n\s*\n", "\n")
+    return {"text": tf.strings.strip(text)}
+
+  return dataset.map(to_document, num_parallel_calls=tf.data.AUTOTUNE).filter(
+      lambda ex: tf.strings.length(ex["text"]) > 0)
+
+
+def tfds_source(tfds_name: str, splits: Optional[Mapping[str, str]] = None,
+                data_dir: Optional[str] = None) -> seqio.TfdsDataSource:
+  """A TFDS dataset by name, e.g. 'wikipedia/20230601.en:1.0.0', read from data_dir (local or gs://)."""
+  return seqio.TfdsDataSource(tfds_name=tfds_name, splits=splits, tfds_data_dir=data_dir)

@@ -1,0 +1,102 @@
+"""The seqio task registry: a source × an objective × a vocabulary, by name.
+
+Names are `<corpus>_<objective>`: `demo_bert_mlm_nsp` (the built-in demo corpus),
+`text_bert_mlm_nsp` (the user's TRAIN_FILES), `wikipedia_bert_mlm_nsp` (TFDS), and so on for every
+objective in OBJECTIVES. Demo tasks register themselves on first use (building the demo corpus).
+"""
+import functools
+from typing import Callable, Dict, List, Optional
+
+import seqio
+
+from data_pipelines import demo_corpus, sources, vocab
+from data_pipelines.objectives import documents, mlm, nsp_sop
+
+# Pieces below this id are special (pad, eos, unk, bos, [CLS], [SEP], [MASK]): never a random replacement.
+FIRST_NORMAL_ID = 7
+
+
+def _sentence_pair_mlm(vocabulary, *, mode: str, label_key: str, max_ngram: int, whole_word: bool):
+  special = vocab.special_ids(vocabulary)
+  return [
+      seqio.CacheDatasetPlaceholder(),
+      functools.partial(nsp_sop.sentence_pairs, mode=mode),
+      functools.partial(mlm.masked_pair_features, word_start=vocab.word_start_table(vocabulary),
+                        cls_id=special.cls, sep_id=special.sep, mask_id=special.mask,
+                        random_token_min=FIRST_NORMAL_ID, vocab_size=vocabulary.vocab_size, label_key=label_key,
+                        max_ngram=max_ngram, whole_word=whole_word),
+  ]
+
+
+def bert_mlm_nsp(vocabulary):
+  return _sentence_pair_mlm(vocabulary, mode=nsp_sop.NSP, label_key="nsp_label", max_ngram=1, whole_word=False)
+
+
+def albert_mlm_sop(vocabulary):
+  return _sentence_pair_mlm(vocabulary, mode=nsp_sop.SOP, label_key="sop_label", max_ngram=3, whole_word=True)
+
+
+# objective name -> function(vocabulary) -> preprocessors applied after tokenization.
+OBJECTIVES: Dict[str, Callable[[seqio.Vocabulary], List]] = {
+    "bert_mlm_nsp": bert_mlm_nsp,
+    "albert_mlm_sop": albert_mlm_sop,
+}
+
+
+def register_task(name: str, source: seqio.DataSource, objective: str, vocab_model: str,
+                  extra_preprocessors=()) -> str:
+  """Registers (or replaces) `name`: source documents -> tokenized sentences -> objective."""
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective={objective!r}: expected one of {sorted(OBJECTIVES)}")
+  vocabulary = vocab.load_vocabulary(vocab_model)
+  seqio.TaskRegistry.remove(name)
+  seqio.TaskRegistry.add(
+      name,
+      source=source,
+      preprocessors=[*extra_preprocessors, documents.tokenize_sentences,
+                     *OBJECTIVES[objective](vocabulary)],
+      output_features={"input_ids": seqio.Feature(vocabulary, add_eos=False)},
+      shuffle_buffer_size=10_000,
+  )
+  return name
+
+
+def register_demo_tasks() -> None:
+  paths = demo_corpus.ensure_demo_corpus()
+  source = sources.TextDocumentSource({"train": paths["train"], "validation": paths["validation"]})
+  for objective in OBJECTIVES:
+    register_task(f"demo_{objective}", source, objective, paths["vocab_model"])
+
+
+def text_task(objective: str, train_files: Optional[str] = None, validation_files: Optional[str] = None,
+              vocab_model: Optional[str] = None) -> str:
+  """The task name for an objective over TRAIN_FILES (None: the demo corpus and its vocabulary)."""
+  if train_files is None and vocab_model is None and validation_files is None:
+    return f"demo_{objective}"
+  demo = demo_corpus.ensure_demo_corpus() if vocab_model is None else {}
+  splits = {"train": train_files or demo["train"]}
+  if validation_files:
+    splits["validation"] = validation_files
+  source = sources.TextDocumentSource(splits)
+  return register_task(f"text_{objective}", source, objective, vocab_model or demo["vocab_model"])
+
+
+def tfds_task(objective: str, tfds_name: str, vocab_model: str, data_dir: Optional[str] = None,
+              text_key: str = "text", splits: Optional[Dict[str, str]] = None) -> str:
+  """A task over a TFDS dataset such as 'wikipedia/20230601.en:1.0.0' (local or gs:// data_dir)."""
+  corpus = tfds_name.split("/")[0].split(":")[0]
+  source = sources.tfds_source(tfds_name, splits=splits, data_dir=data_dir)
+  return register_task(f"{corpus}_{objective}", source, objective, vocab_model,
+                       extra_preprocessors=[functools.partial(sources.tfds_to_documents, text_key=text_key)])
+
+
+def get_task_or_mixture(name: str):
+  """Looks up a registered task or mixture; demo tasks are registered on first use."""
+  if name.startswith("demo_") and name not in seqio.TaskRegistry.names():
+    register_demo_tasks()
+  try:
+    return seqio.get_mixture_or_task(name)
+  except ValueError:
+    known = sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
+    demo = [f"demo_{o}" for o in OBJECTIVES]
+    raise ValueError(f"unknown task or mixture {name!r}; registered: {known or demo}") from None

@@ -1,0 +1,150 @@
+"""Run N processes of one command on this machine as a multi-process JAX job on CPU devices.
+
+  python -m launch.local --num_processes=N [--devices_per_process=K] [--port=P] -- <command...>
+
+Each child gets the parent's environment plus:
+  JAX_COORDINATOR_ADDRESS       127.0.0.1:PORT (PORT: --port, else a free one)
+  JAX_COORDINATOR_BIND_ADDRESS  127.0.0.1:PORT, so the coordinator listens on loopback only
+  JAX_NUM_PROCESSES             N
+  JAX_PROCESS_ID                0 .. N-1
+  JAX_PLATFORMS                 cpu
+  XLA_FLAGS                     existing flags + --xla_force_host_platform_device_count=K
+The command joins the job with
+  jax.distributed.initialize(coordinator_address=os.environ[COORDINATOR_ADDRESS_ENV],
+                             num_processes=int(os.environ[NUM_PROCESSES_ENV]),
+                             process_id=int(os.environ[PROCESS_ID_ENV]))
+(the names below are the constants to import). Every output line of child i, stdout and stderr
+merged, is printed as "[process i] line". If a child exits non-zero the others are terminated and
+we exit non-zero naming it; Ctrl-C terminates all children.
+"""
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+COORDINATOR_ADDRESS_ENV = "JAX_COORDINATOR_ADDRESS"
+COORDINATOR_BIND_ADDRESS_ENV = "JAX_COORDINATOR_BIND_ADDRESS"  # read by jax.distributed.initialize itself
+NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "JAX_PROCESS_ID"
+HOST = "127.0.0.1"
+_TERMINATE_GRACE_SECONDS = 5
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+
+  def error(self, message):
+    print(f"launch.local: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  """Returns the flags and the command after `--`."""
+  parser = _OneLineErrorParser(prog="python -m launch.local", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--num_processes", type=int, required=True)
+  parser.add_argument("--devices_per_process", type=int, default=1)
+  parser.add_argument("--port", type=int, help="coordinator port; a free one by default")
+  flags, command = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+  args = parser.parse_args(flags)
+  if not command:
+    parser.error("give the command to run after --, e.g. -- python -m pretrain.train ...")
+  if args.num_processes < 1 or args.devices_per_process < 1:
+    parser.error("--num_processes and --devices_per_process must be >= 1")
+  if args.port is not None and not 0 < args.port < 65536:
+    parser.error(f"--port={args.port} is not a TCP port")
+  return args, command
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind((HOST, 0))
+    return s.getsockname()[1]
+
+
+def child_env(process_id: int, num_processes: int, devices_per_process: int, port: int) -> dict[str, str]:
+  env = dict(os.environ)
+  # Keep any XLA flags the user set; ours only adds the host device count.
+  xla_flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}"
+  env.update({
+      COORDINATOR_ADDRESS_ENV: f"{HOST}:{port}",
+      COORDINATOR_BIND_ADDRESS_ENV: f"{HOST}:{port}",
+      NUM_PROCESSES_ENV: str(num_processes),
+      PROCESS_ID_ENV: str(process_id),
+      "JAX_PLATFORMS": "cpu",
+      "XLA_FLAGS": xla_flags.strip(),
+  })
+  return env
+
+
+def _copy_prefixed(stream, prefix: str, lock: threading.Lock) -> None:
+  for line in stream:
+    with lock:  # whole lines only, never two children interleaved within one line
+      sys.stdout.write(prefix + line)
+      sys.stdout.flush()
+
+
+def _terminate(children: list[subprocess.Popen]) -> None:
+  for child in children:
+    if child.poll() is None:
+      child.terminate()
+  for child in children:
+    try:
+      child.wait(timeout=_TERMINATE_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+      child.kill()
+      child.wait()
+
+
+def _first_failure(children: list[subprocess.Popen]) -> tuple[int, int] | None:
+  for i, child in enumerate(children):
+    code = child.poll()
+    if code not in (None, 0):
+      return i, code
+  return None
+
+
+def launch(command: list[str], num_processes: int, devices_per_process: int, port: int) -> int:
+  """Runs the children until all succeed (returns 0) or one fails (returns non-zero)."""
+  lock = threading.Lock()
+  children, copiers = [], []
+  try:
+    for i in range(num_processes):
+      child = subprocess.Popen(command, env=child_env(i, num_processes, devices_per_process, port),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+      children.append(child)
+      copier = threading.Thread(target=_copy_prefixed, args=(child.stdout, f"[process {i}] ", lock))
+      copier.start()
+      copiers.append(copier)
+    while any(child.poll() is None for child in children) and not _first_failure(children):
+      time.sleep(0.1)
+    failure = _first_failure(children)
+  except KeyboardInterrupt:
+    _terminate(children)
+    print("launch.local: interrupted; all processes terminated", file=sys.stderr)
+    return 130
+  finally:
+    if any(child.poll() is None for child in children):
+      _terminate(children)
+    for copier in copiers:
+      copier.join()
+  if failure:
+    i, code = failure
+    print(f"launch.local: process {i} exited with code {code}; stopped the others", file=sys.stderr)
+    return code if code > 0 else 1
+  return 0
+
+
+def main(argv: list[str]) -> int:
+  args, command = parse_args(argv)
+  try:
+    return launch(command, args.num_processes, args.devices_per_process, args.port or free_port())
+  except OSError as e:
+    print(f"launch.local: error: cannot start {command[0]!r}: {e.strerror}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

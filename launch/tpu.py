@@ -1,0 +1,272 @@
+"""Manage a Cloud TPU slice and run `pretrain.train` on all its hosts.
+
+  python -m launch.tpu create|setup|run|status|logs|delete --name=NAME --zone=ZONE \
+      [--accelerator_type=v3-512] [--runtime_version=tpu-ubuntu2204-base] [--spot|--preemptible] \
+      [--queued] [--project=PROJECT] [--dry_run]
+
+  create  creates the slice (`tpu-vm create`, or a queued resource with --queued, waiting until ACTIVE).
+  setup   puts the project in ~/pod-pretrain on every host (copies this tree, or clones --repo_url
+          [--branch]) and runs `pip install -e ".[tpu]"` there.
+  run     runs `python3 -m pretrain.train --gin_file=... --gin.MODEL_DIR="gs://..." [--gin.KEY=VALUE...]
+          [args after --]` on every host; output goes to ~/pod-pretrain.log on each host and is
+          followed here. With --restart_on_preemption a lost slice is deleted, recreated, set up and
+          the run started again (training resumes from the latest checkpoint in --model_dir), at most
+          --max_restarts times.
+  status  describes the slice; logs prints (or --follow-s) the log of --worker (default 0);
+  delete  deletes the slice.
+
+--dry_run prints every gcloud command instead of running it.
+"""
+import argparse
+import pathlib
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+
+from launch import gcloud
+
+COMMANDS = ("create", "setup", "run", "status", "logs", "delete")
+PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REMOTE_DIR_NAME = "pod-pretrain"
+REMOTE_DIR = f"~/{REMOTE_DIR_NAME}"  # left unquoted in remote commands so the host's shell expands ~
+REMOTE_LOG = "~/pod-pretrain.log"
+# Never ship the local virtualenv, git history or build litter to the hosts.
+LOCAL_TREE_EXCLUDES = (".venv", ".git", "__pycache__", "*.egg-info", ".pytest_cache", "demo_output")
+# `python` may not exist on TPU VM images (Ubuntu ships only python3).
+REMOTE_PYTHON = "python3"
+
+# States meaning the slice is gone for good and must be recreated.
+LOST_TPU_VM_STATES = frozenset({"PREEMPTED", "TERMINATED"})
+LOST_QUEUED_RESOURCE_STATES = frozenset({"SUSPENDING", "SUSPENDED", "FAILED"})
+
+_ACCELERATOR_TYPE = re.compile(r"v\d+[a-z]*-\d+")  # v3-512, v4-128, v5p-8, v5litepod-16, v6e-8
+_SLICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+class LaunchError(Exception):
+  """A failure worth one line on stderr and a non-zero exit."""
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+
+  def error(self, message):
+    print(f"launch.tpu: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parser() -> _OneLineErrorParser:
+  p = _OneLineErrorParser(prog="python -m launch.tpu", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("command", choices=COMMANDS)
+  p.add_argument("--name", required=True, help="TPU slice name (and queued resource id with --queued)")
+  p.add_argument("--zone", required=True)
+  p.add_argument("--project")
+  p.add_argument("--accelerator_type", help="e.g. v3-512; needed to create the slice")
+  p.add_argument("--runtime_version", default="tpu-ubuntu2204-base")
+  p.add_argument("--spot", action="store_true")
+  p.add_argument("--preemptible", action="store_true")
+  p.add_argument("--queued", action="store_true", help="create the slice through a queued resource")
+  p.add_argument("--poll_seconds", type=float, default=30.0,
+                 help="how often to check whether a queued resource became ACTIVE")
+  p.add_argument("--dry_run", action="store_true")
+  p.add_argument("--repo_url", help="setup: git clone this instead of copying the local tree")
+  p.add_argument("--branch", help="setup: branch or tag of --repo_url")
+  p.add_argument("--gin_file", action="append", default=[], help="run: repeatable")
+  p.add_argument("--gin_bindings", action="append", default=[], help="run: KEY=VALUE, repeatable")
+  p.add_argument("--model_dir", help="run: gs:// directory for checkpoints and metrics")
+  p.add_argument("--restart_on_preemption", action="store_true")
+  p.add_argument("--max_restarts", type=int, default=10)
+  p.add_argument("--worker", default="0", help="logs: which host's log to print")
+  p.add_argument("--follow", action="store_true", help="logs: keep printing new lines")
+  return p
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  """Returns the flags and the arguments after `--` (passed through to pretrain.train)."""
+  extra = []
+  if "--" in argv:
+    argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1:]
+  parser = _parser()
+  args = parser.parse_args(argv)
+  problem = _problem_with(args, extra)
+  if problem:
+    parser.error(problem)
+  return args, extra
+
+
+def _problem_with(args: argparse.Namespace, extra: list[str]) -> str | None:
+  needs_accelerator = args.command == "create" or (args.command == "run" and args.restart_on_preemption)
+  if not _SLICE_NAME.fullmatch(args.name):
+    return f"--name={args.name!r} is not a valid TPU name (lowercase letters, digits and '-')"
+  if args.accelerator_type and not _ACCELERATOR_TYPE.fullmatch(args.accelerator_type):
+    return f"--accelerator_type={args.accelerator_type!r} is not like v3-512"
+  if needs_accelerator and not args.accelerator_type:
+    return f"--accelerator_type is required to create the slice ({args.command})"
+  if args.spot and args.preemptible:
+    return "--spot and --preemptible are exclusive"
+  if args.queued and args.preemptible:
+    return "--preemptible is not available with --queued; use --spot"
+  if args.branch and not args.repo_url:
+    return "--branch needs --repo_url"
+  if args.max_restarts < 0 or args.poll_seconds < 0:
+    return "--max_restarts and --poll_seconds must be >= 0"
+  if args.command == "run":
+    if not (args.model_dir or "").startswith("gs://"):
+      return (f"--model_dir must be a gs:// URL so every host reads and writes the same checkpoints "
+              f"(got {args.model_dir!r})")
+    bad = [b for b in args.gin_bindings if "=" not in b]
+    if bad:
+      return f"--gin_bindings={bad[0]!r} is not KEY=VALUE"
+  elif extra:
+    return f"arguments after -- are only used by run, not {args.command}"
+  return None
+
+
+def _target(args) -> gcloud.Slice:
+  return gcloud.Slice(args.name, args.zone, args.project)
+
+
+def _must(runner: gcloud.Runner, argv: list[str], what: str) -> None:
+  code = runner.run(argv)
+  if code != 0:
+    raise LaunchError(f"{what} failed (gcloud exit code {code})")
+
+
+def create(args, runner: gcloud.Runner) -> None:
+  target = _target(args)
+  if args.queued:
+    _must(runner, gcloud.create_queued_resource(target, args.accelerator_type, args.runtime_version,
+                                                spot=args.spot), f"creating queued resource {args.name}")
+    _wait_until_active(args, runner)
+  else:
+    _must(runner, gcloud.create_tpu_vm(target, args.accelerator_type, args.runtime_version,
+                                       spot=args.spot, preemptible=args.preemptible),
+          f"creating slice {args.name}")
+
+
+def _wait_until_active(args, runner: gcloud.Runner) -> None:
+  """`queued-resources create` returns once the request is queued; the hosts exist only when ACTIVE."""
+  if runner.dry_run:
+    return
+  last_state = None
+  while True:
+    state = _state(args, runner)
+    if state == "ACTIVE":
+      return
+    if state is None or state in LOST_QUEUED_RESOURCE_STATES:
+      raise LaunchError(f"queued resource {args.name} is {state or 'gone'} instead of ACTIVE")
+    if state != last_state:
+      print(f"queued resource {args.name} is {state}; waiting for ACTIVE", flush=True)
+      last_state = state
+    time.sleep(args.poll_seconds)
+
+
+def _state(args, runner: gcloud.Runner) -> str | None:
+  """The queued resource's state with --queued, else the TPU VM's; None when it does not exist."""
+  if args.queued:
+    done = runner.capture(gcloud.describe_queued_resource(_target(args), "value(state.state)"))
+  else:
+    done = runner.capture(gcloud.describe_tpu_vm(_target(args), "value(state)"))
+  if done.returncode == 0:
+    return done.stdout.strip()
+  if "NOT_FOUND" in done.stderr:
+    return None
+  # Anything else (auth, network) says nothing about the slice: never recreate on a guess.
+  reason = (done.stderr.strip().splitlines() or [f"gcloud exit code {done.returncode}"])[-1]
+  raise LaunchError(f"checking the state of {args.name} failed: {reason}")
+
+
+def setup(args, runner: gcloud.Runner) -> None:
+  target = _target(args)
+  install = f"cd {REMOTE_DIR} && {REMOTE_PYTHON} -m pip install -e {shlex.quote('.[tpu]')}"
+  if args.repo_url:
+    branch = f"--branch={shlex.quote(args.branch)} " if args.branch else ""
+    clone = f"rm -rf {REMOTE_DIR} && git clone --depth=1 {branch}{shlex.quote(args.repo_url)} {REMOTE_DIR}"
+    _must(runner, gcloud.ssh(target, f"{clone} && {install}"), "cloning the project on the hosts")
+    return
+  with tempfile.TemporaryDirectory() as staging:
+    tree = pathlib.Path(staging) / REMOTE_DIR_NAME
+    shutil.copytree(PROJECT_ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(*LOCAL_TREE_EXCLUDES))
+    _must(runner, gcloud.scp_to_workers(target, str(tree), "~/"), "copying the project to the hosts")
+  _must(runner, gcloud.ssh(target, install), "installing the project on the hosts")
+
+
+def train_command(args, extra: list[str]) -> str:
+  """The shell command each host runs for `run`."""
+  train = [REMOTE_PYTHON, "-m", "pretrain.train"]
+  train += [f"--gin_file={f}" for f in args.gin_file]
+  train += [f'--gin.MODEL_DIR="{args.model_dir}"'] + [f"--gin.{b}" for b in args.gin_bindings] + extra
+  # nohup keeps training alive if the ssh session drops; tail follows the log until training exits
+  # and `wait` hands its exit code back through ssh, so we know when and how the run ended.
+  return (f"cd {REMOTE_DIR} || exit 1; : > {REMOTE_LOG}; "
+          f"nohup {shlex.join(train)} >> {REMOTE_LOG} 2>&1 < /dev/null & pid=$!; "
+          f"tail -n +1 -f --pid=$pid {REMOTE_LOG}; wait $pid")
+
+
+def run(args, extra: list[str], runner: gcloud.Runner) -> int:
+  command = gcloud.ssh(_target(args), train_command(args, extra))
+  restarts = 0
+  while True:
+    code = runner.run(command)
+    if not args.restart_on_preemption:
+      return code
+    state = _state(args, runner)
+    lost = LOST_QUEUED_RESOURCE_STATES if args.queued else LOST_TPU_VM_STATES
+    if state is not None and state not in lost:
+      if code != 0:  # a training failure, not a preemption: restarting would only repeat it
+        print(f"launch.tpu: run exited with code {code} on a {state} slice; not restarting", file=sys.stderr)
+      return code
+    what = f"preempted ({state})" if state else "is gone"
+    if restarts == args.max_restarts:
+      raise LaunchError(f"slice {args.name} {what}; giving up after {restarts} restarts (--max_restarts)")
+    restarts += 1
+    print(f"slice {args.name} {what}, recreating (restart {restarts}/{args.max_restarts})", flush=True)
+    if state is not None:
+      delete(args, runner)
+    create(args, runner)
+    setup(args, runner)
+    print(f"slice {args.name} recreated; running again, training resumes from {args.model_dir}", flush=True)
+
+
+def status(args, runner: gcloud.Runner) -> int:
+  target = _target(args)
+  return runner.run(gcloud.describe_queued_resource(target) if args.queued else gcloud.describe_tpu_vm(target))
+
+
+def logs(args, runner: gcloud.Runner) -> int:
+  show = f"tail -n +1 -f {REMOTE_LOG}" if args.follow else f"cat {REMOTE_LOG}"
+  return runner.run(gcloud.ssh(_target(args), show, worker=args.worker))
+
+
+def delete(args, runner: gcloud.Runner) -> None:
+  target = _target(args)
+  _must(runner, gcloud.delete_queued_resource(target) if args.queued else gcloud.delete_tpu_vm(target),
+        f"deleting slice {args.name}")
+
+
+def main(argv: list[str]) -> int:
+  args, extra = parse_args(argv)
+  if not args.dry_run and shutil.which("gcloud") is None:
+    print("launch.tpu: error: gcloud not found on PATH; install the Google Cloud SDK or use --dry_run",
+          file=sys.stderr)
+    return 2
+  runner = gcloud.Runner(dry_run=args.dry_run)
+  try:
+    if args.command == "run":
+      return run(args, extra, runner)
+    if args.command == "status":
+      return status(args, runner)
+    if args.command == "logs":
+      return logs(args, runner)
+    {"create": create, "setup": setup, "delete": delete}[args.command](args, runner)
+    return 0
+  except LaunchError as e:
+    print(f"launch.tpu: error: {e}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

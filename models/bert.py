@@ -1,0 +1,92 @@
+"""BERT (Devlin et al. 2018): post-LN Transformer encoder with tied MLM head and NSP head."""
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  vocab_size: Optional[int] = 32000  # None: the run's vocabulary size
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  mlp_dim: int = 3072
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  dropout_rate: float = 0.1
+  layer_norm_eps: float = 1e-12
+  dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
+  remat_policy: str = "none"
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+
+class BertEmbeddings(nn.Module):
+  """Word + position + token-type embeddings, then LayerNorm and dropout."""
+  vocab_size: int
+  features: int
+  max_position_embeddings: int
+  type_vocab_size: int
+  dropout_rate: float
+  layer_norm_eps: float
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, input_ids, segment_ids, deterministic: bool):
+    word = layers.embedding(self.vocab_size, self.features, ("vocab", "embed"), self.dtype, "word")
+    position = layers.embedding(self.max_position_embeddings, self.features, ("position", "embed"), self.dtype, "position")
+    token_type = layers.embedding(self.type_vocab_size, self.features, ("token_type", "embed"), self.dtype, "token_type")
+    positions = jnp.arange(input_ids.shape[1])[None, :]
+    x = word(input_ids) + position(positions) + token_type(segment_ids)
+    x = layers.layer_norm(self.layer_norm_eps, self.dtype, "norm")(x)
+    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    return layers.constrain(x, layers.BATCH_LENGTH_EMBED), word
+
+
+def gather_positions(hidden: jax.Array, positions: jax.Array) -> jax.Array:
+  """hidden [b, l, d], positions [b, p] -> [b, p, d]: only predicted positions reach the LM head."""
+  return jnp.take_along_axis(hidden, positions[..., None], axis=1)
+
+
+class BertEncoder(nn.Module):
+  """Embeddings and the layer stack; returns the final hidden states and the word embedding."""
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, input_ids, segment_ids, deterministic: bool):
+    cfg = self.config
+    x, word = BertEmbeddings(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.type_vocab_size,
+                             cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, name="embeddings")(
+                                 input_ids, segment_ids, deterministic)
+    bias = layers.attention_bias(input_ids > 0, input_ids > 0)
+    layer_cls = layers.maybe_remat(layers.PostLNEncoderLayer, cfg.remat_policy, static_argnums=(3,))
+    for i in range(cfg.num_layers):
+      x = layer_cls(cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype,
+                    name=f"layer_{i}")(x, bias, deterministic)
+    return x, word
+
+
+class BertForPreTraining(nn.Module):
+  """Inputs: input_ids, segment_ids [b, l] and optionally masked_positions [b, p].
+
+  Returns mlm_logits ([b, p, vocab] at masked_positions, else [b, l, vocab]) and nsp_logits [b, 2].
+  """
+  config: BertConfig
+
+  @nn.compact
+  def __call__(self, features, deterministic: bool = True):
+    cfg = self.config
+    hidden, word = BertEncoder(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
+    pooled = jnp.tanh(layers.dense(cfg.hidden_size, ("embed",), ("hidden",), dtype=cfg.dtype, name="pooler")(hidden[:, 0]))
+    nsp_logits = layers.dense(2, ("hidden",), (None,), dtype=cfg.dtype, name="nsp")(pooled)
+    if "masked_positions" in features:
+      hidden = gather_positions(hidden, features["masked_positions"])
+    mlm_logits = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, name="mlm")(hidden, word)
+    return {"mlm_logits": mlm_logits.astype(jnp.float32), "nsp_logits": nsp_logits.astype(jnp.float32)}

@@ -1,0 +1,231 @@
+"""Building blocks shared by the model families, with logical axis names on every array.
+
+Parameter axes: vocab, embed, hidden (the output side of a square embed->embed matrix), heads, kv,
+mlp, position, token_type, layers.
+Activation axes: activation_batch, activation_length, activation_embed, activation_heads,
+activation_kv, activation_mlp, activation_vocab. `pretrain/partitioning.py` maps both onto the
+mesh; a model never names a mesh axis itself.
+"""
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+
+BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
+BATCH_LENGTH_HEADS_KV = ("activation_batch", "activation_length", "activation_heads", "activation_kv")
+BATCH_LENGTH_MLP = ("activation_batch", "activation_length", "activation_mlp")
+BATCH_LENGTH_VOCAB = ("activation_batch", "activation_length", "activation_vocab")
+
+# BERT-family initialisation: truncated normal with standard deviation 0.02.
+default_kernel_init = nn.initializers.truncated_normal(0.02)
+
+
+def with_axes(init: Initializer, axes: Sequence[Optional[str]]) -> Initializer:
+  return nn.with_logical_partitioning(init, tuple(axes))
+
+
+def constrain(x: jax.Array, axes: Sequence[Optional[str]]) -> jax.Array:
+  """Sharding hint for an activation; a no-op outside a mesh context."""
+  return nn.with_logical_constraint(x, tuple(axes))
+
+
+def gelu(x: jax.Array, approximate: bool = False) -> jax.Array:
+  # Exact (erf) GELU: fairseq BART and HF's "gelu". The TF reference code of BERT, ALBERT and XLNet
+  # uses the tanh approximation (HF "gelu_new"): approximate=True.
+  return nn.gelu(x, approximate=approximate)
+
+
+def dense(features, in_axes, out_axes, *, dtype, name, use_bias=True, axis=-1, kernel_init=default_kernel_init):
+  """A DenseGeneral whose kernel and bias carry logical axis names."""
+  out_axes = tuple(out_axes)
+  return nn.DenseGeneral(
+      features=features,
+      axis=axis,
+      use_bias=use_bias,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      kernel_init=with_axes(kernel_init, tuple(in_axes) + out_axes),
+      bias_init=with_axes(nn.initializers.zeros, out_axes),
+      name=name,
+  )
+
+
+def layer_norm(epsilon: float, dtype: Dtype, name: str) -> nn.LayerNorm:
+  return nn.LayerNorm(
+      epsilon=epsilon,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      scale_init=with_axes(nn.initializers.ones, ("embed",)),
+      bias_init=with_axes(nn.initializers.zeros, ("embed",)),
+      name=name,
+  )
+
+
+def embedding(num: int, features: int, axes: Sequence[str], dtype: Dtype, name: str) -> nn.Embed:
+  return nn.Embed(
+      num_embeddings=num,
+      features=features,
+      dtype=dtype,
+      param_dtype=jnp.float32,
+      embedding_init=with_axes(default_kernel_init, axes),
+      name=name,
+  )
+
+
+def attention_bias(query_mask: jax.Array, key_mask: jax.Array, dtype: Dtype = jnp.float32) -> jax.Array:
+  """[batch, 1, q, k] additive bias: 0 where both positions are real, a large negative elsewhere."""
+  allowed = query_mask[:, None, :, None] * key_mask[:, None, None, :]
+  return jnp.where(allowed > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
+
+
+def causal_bias(length: int, dtype: Dtype = jnp.float32) -> jax.Array:
+  allowed = jnp.tril(jnp.ones((length, length), dtype=bool))
+  return jnp.where(allowed, 0.0, jnp.finfo(dtype).min).astype(dtype)[None, None]
+
+
+class MultiHeadAttention(nn.Module):
+  """Scaled dot-product attention with biased q/k/v/o projections (BERT, ALBERT, BART)."""
+  num_heads: int
+  head_dim: int
+  dropout_rate: float
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_kv, bias, deterministic: bool):
+    def project(name):
+      return dense((self.num_heads, self.head_dim), ("embed",), ("heads", "kv"), dtype=self.dtype, name=name)
+
+    query = constrain(project("query")(inputs_q), BATCH_LENGTH_HEADS_KV)
+    key = constrain(project("key")(inputs_kv), BATCH_LENGTH_HEADS_KV)
+    value = constrain(project("value")(inputs_kv), BATCH_LENGTH_HEADS_KV)
+    query = query / jnp.sqrt(self.head_dim).astype(self.dtype)
+    # Bias and softmax in fp32: bf16 loses too much in the normaliser, and the fp32 "masked" bias
+    # would round to -inf in bf16, turning fully masked (padding) rows into NaN.
+    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32) + bias.astype(jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
+    context = constrain(jnp.einsum("bhqk,bkhd->bqhd", probs, value), BATCH_LENGTH_HEADS_KV)
+    output = dense(inputs_q.shape[-1], ("heads", "kv"), ("embed",), axis=(-2, -1), dtype=self.dtype, name="output")(context)
+    return constrain(output, BATCH_LENGTH_EMBED)
+
+
+class FeedForward(nn.Module):
+  """Dense -> GELU -> Dense."""
+  hidden_dim: int
+  dropout_rate: float = 0.0
+  dtype: Dtype = jnp.float32
+  approximate_gelu: bool = False
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    h = dense(self.hidden_dim, ("embed",), ("mlp",), dtype=self.dtype, name="intermediate")(x)
+    h = constrain(gelu(h, self.approximate_gelu), BATCH_LENGTH_MLP)
+    h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+    out = dense(x.shape[-1], ("mlp",), ("embed",), dtype=self.dtype, name="output")(h)
+    return constrain(out, BATCH_LENGTH_EMBED)
+
+
+class PostLNEncoderLayer(nn.Module):
+  """x = LN(x + Attn(x)); x = LN(x + FFN(x)), as in BERT and ALBERT."""
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+  dropout_rate: float
+  layer_norm_eps: float
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, bias, deterministic: bool):
+    drop = nn.Dropout(self.dropout_rate)
+    attn = MultiHeadAttention(self.num_heads, self.head_dim, self.dropout_rate, self.dtype, name="attention")
+    x = layer_norm(self.layer_norm_eps, self.dtype, "attention_norm")(
+        x + drop(attn(x, x, bias, deterministic), deterministic=deterministic))
+    ffn = FeedForward(self.mlp_dim, 0.0, self.dtype, name="ffn")
+    x = layer_norm(self.layer_norm_eps, self.dtype, "ffn_norm")(
+        x + drop(ffn(x, deterministic), deterministic=deterministic))
+    return constrain(x, BATCH_LENGTH_EMBED)
+
+
+class PostLNAttentionBlock(nn.Module):
+  """x = LN(x + Dropout(Attention(x, context))): one post-norm sublayer, for models that share or
+  mix sublayers independently (ALBERT's partial sharing, BART's cross-attention)."""
+  num_heads: int
+  head_dim: int
+  dropout_rate: float
+  attention_dropout_rate: float
+  layer_norm_eps: float
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x, context, bias, deterministic: bool):
+    attention = MultiHeadAttention(self.num_heads, self.head_dim, self.attention_dropout_rate, self.dtype,
+                                   name="attention")
+    update = nn.Dropout(self.dropout_rate)(attention(x, context, bias, deterministic), deterministic=deterministic)
+    return constrain(layer_norm(self.layer_norm_eps, self.dtype, "norm")(x + update), BATCH_LENGTH_EMBED)
+
+
+class PostLNFeedForwardBlock(nn.Module):
+  """x = LN(x + Dropout(FFN(x))), the FFN with its own dropout after the activation."""
+  mlp_dim: int
+  dropout_rate: float
+  activation_dropout_rate: float
+  layer_norm_eps: float
+  dtype: Dtype = jnp.float32
+  approximate_gelu: bool = False
+
+  @nn.compact
+  def __call__(self, x, deterministic: bool):
+    ffn = FeedForward(self.mlp_dim, self.activation_dropout_rate, self.dtype, self.approximate_gelu, name="mlp")
+    update = nn.Dropout(self.dropout_rate)(ffn(x, deterministic), deterministic=deterministic)
+    return constrain(layer_norm(self.layer_norm_eps, self.dtype, "norm")(x + update), BATCH_LENGTH_EMBED)
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def maybe_remat(module_cls, policy: str, static_argnums: Sequence[int] = ()):
+  """Wraps a layer class in rematerialisation according to a policy name (none/full/dots)."""
+  if policy not in REMAT_POLICIES:
+    raise ValueError(f"remat_policy={policy!r}: expected one of {sorted(REMAT_POLICIES)}")
+  if policy == "none":
+    return module_cls
+  return nn.remat(module_cls, policy=REMAT_POLICIES[policy], static_argnums=tuple(static_argnums))
+
+
+class TiedLMBias(nn.Module):
+  """The output bias of an LM head whose weight is tied to the word embedding."""
+  vocab_size: int
+
+  @nn.compact
+  def __call__(self, logits):
+    bias = self.param("bias", with_axes(nn.initializers.zeros, ("vocab",)), (self.vocab_size,), jnp.float32)
+    return logits + bias.astype(logits.dtype)
+
+
+class MaskedLMHead(nn.Module):
+  """Dense -> GELU -> LayerNorm, then logits against the tied word embedding plus a bias.
+
+  `features` is the transform's width: the hidden size for BERT, the embedding size E for ALBERT's
+  factorized embedding (unset: the input width).
+  """
+  vocab_size: int
+  layer_norm_eps: float
+  dtype: Dtype
+  features: Optional[int] = None
+  approximate_gelu: bool = False
+
+  @nn.compact
+  def __call__(self, hidden, word_embedding: nn.Embed):
+    h = dense(self.features or hidden.shape[-1], ("embed",), ("hidden",), dtype=self.dtype, name="transform")(hidden)
+    h = layer_norm(self.layer_norm_eps, self.dtype, "norm")(gelu(h, self.approximate_gelu))
+    logits = word_embedding.attend(h.astype(self.dtype))
+    logits = TiedLMBias(self.vocab_size, name="output")(logits)
+    return constrain(logits, BATCH_LENGTH_VOCAB)

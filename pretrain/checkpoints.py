@@ -1,0 +1,77 @@
+"""Orbax checkpoints: train state (sharded, async), each process's data-iterator position, run config.
+
+Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/process_<i>, run_config}. The data
+iterator is a tf.data iterator saved with tf.train.Checkpoint, one file per process, so a resumed
+run continues each host's data stream exactly where it stopped.
+"""
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import orbax.checkpoint as ocp
+import tensorflow as tf
+from etils import epath
+
+
+class DataIteratorHandler(ocp.CheckpointHandler):
+  """Saves and restores this process's tf.data iterator beside the sharded state."""
+
+  def save(self, directory: epath.Path, args: "DataIteratorSave"):
+    path = epath.Path(directory) / f"process_{jax.process_index()}"
+    tf.train.Checkpoint(iterator=args.iterator).write(str(path))
+
+  def restore(self, directory: epath.Path, args: "DataIteratorRestore"):
+    path = epath.Path(directory) / f"process_{jax.process_index()}"
+    tf.train.Checkpoint(iterator=args.iterator).read(str(path)).assert_consumed()
+    return args.iterator
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
+@dataclasses.dataclass
+class DataIteratorSave(ocp.args.CheckpointArgs):
+  iterator: Any
+
+
+@ocp.args.register_with_handler(DataIteratorHandler, for_restore=True)
+@dataclasses.dataclass
+class DataIteratorRestore(ocp.args.CheckpointArgs):
+  iterator: Any
+
+
+def checkpoint_dir(model_dir: str) -> epath.Path:
+  return epath.Path(model_dir) / "checkpoints"
+
+
+def make_manager(model_dir: str, max_to_keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                         create=True)
+  return ocp.CheckpointManager(checkpoint_dir(model_dir), options=options)
+
+
+def save(manager: ocp.CheckpointManager, step: int, state, data_iterator, run_config: dict) -> None:
+  """Asynchronous for the state; the iterator and config are small and written before returning."""
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      data_iterator=DataIteratorSave(data_iterator),
+      run_config=ocp.args.JsonSave(run_config)))
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator):
+  """Restores the state into the shardings of `abstract_state` and the iterator in place."""
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract_state),
+      data_iterator=DataIteratorRestore(data_iterator)))
+  return restored.state
+
+
+def read_run_config(model_dir: str, step: Optional[int] = None) -> tuple:
+  """(step, run_config dict) of a checkpoint; the latest when step is None."""
+  manager = ocp.CheckpointManager(checkpoint_dir(model_dir))
+  steps = manager.all_steps()
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(model_dir)}")
+  step = max(steps) if step is None else step
+  if step not in steps:
+    raise ValueError(f"step {step} not in {checkpoint_dir(model_dir)} (available: {sorted(steps)})")
+  config = manager.restore(step, args=ocp.args.Composite(run_config=ocp.args.JsonRestore())).run_config
+  return step, config

@@ -1,0 +1,33 @@
+"""Pretraining entry point (T5X conventions).
+
+  python -m pretrain.train --gin_file=gin_configs/runs/bert_tiny_demo.gin \\
+      --gin.MODEL_DIR="'/tmp/bert'" --gin.TRAIN_STEPS=1000
+
+`--gin_file` may repeat; `--gin_bindings='KEY = VALUE'` and `--gin.KEY=VALUE` override anything.
+"""
+import sys
+
+import gin
+
+from pretrain import cli
+
+
+def main(argv) -> None:
+  try:
+    files, bindings, rest = cli.split_gin_args(argv[1:])
+    if rest:
+      raise ValueError(f"unknown arguments {rest}; use --gin_file, --gin_bindings or --gin.KEY=VALUE")
+    if not files:
+      raise ValueError("no --gin_file given, e.g. --gin_file=gin_configs/runs/bert_tiny_demo.gin")
+    cli.initialize_distributed()
+    cli.parse_gin(files, bindings)
+    from pretrain import trainer  # after gin parsing: imports are slow, errors above are not
+    summary = gin.get_configurable(trainer.train)()
+  except cli.USER_ERRORS as e:
+    cli.fail(e, "pretrain.train")
+  print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
+        f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}")
+
+
+if __name__ == "__main__":
+  main(sys.argv)

@@ -1,0 +1,229 @@
+"""One generic train loop: sharded state, jitted step, periodic eval, checkpoints, exact resume.
+
+The trainer knows models and data only through a `Family` (pretrain/families/base.py) and a seqio
+task name; everything else (mesh, rules, optimizer) is configuration.
+"""
+import dataclasses
+import time
+from typing import Any, Dict, Mapping
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from etils import epath
+from jax.sharding import PartitionSpec
+
+from data_pipelines import input_pipeline
+from pretrain import checkpoints, partitioning
+from pretrain.families.base import Family
+from pretrain.metrics import MetricsWriter
+from pretrain.optimizers import make_optimizer, warmup_linear_decay
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  carry: Any  # state a family carries across steps (XLNet memory); {} otherwise
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything about a run that does not change from step to step."""
+  family: Family
+  model: nn.Module
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  mesh: Any
+  rules: tuple
+  state_shardings: TrainState
+  batch_shapes: Dict[str, jax.ShapeDtypeStruct]
+  microbatches: int = 1
+
+  def abstract_state(self) -> TrainState:
+    return jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
+
+  def init_state(self, rng) -> TrainState:
+    params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
+    example = {k: jnp.zeros((1,) + s.shape[1:], s.dtype) for k, s in self.batch_shapes.items()}
+    params = nn.unbox(self.model.init({"params": params_rng, "dropout": dropout_rng}, example)["params"])
+    batch_size = next(iter(self.batch_shapes.values())).shape[0]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
+                      rng=state_rng, carry=self.family.initial_carry(batch_size))
+
+
+def build_setup(family: Family, batch_shapes, optimizer, schedule, mesh, rules, microbatches: int = 1) -> Setup:
+  """Derives every shardings from the model's logical axis names and the rules."""
+  model = family.make_model()
+  example = {k: jax.ShapeDtypeStruct((1,) + s.shape[1:], s.dtype) for k, s in batch_shapes.items()}
+  boxed = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)},
+                                            {k: jnp.zeros(s.shape, s.dtype) for k, s in example.items()}))["params"]
+  param_shardings = partitioning.logical_shardings(nn.get_partition_spec(boxed), mesh, rules)
+  replicated = partitioning.replicated(mesh)
+  abstract_opt = jax.eval_shape(optimizer.init, nn.unbox(boxed))
+  opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
+                                        transform_non_params=lambda _: replicated)
+  carry_shardings = partitioning.logical_shardings(
+      {k: PartitionSpec(*axes) for k, axes in family.carry_axes().items()}, mesh, rules)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated,
+                               carry=carry_shardings)
+  return Setup(family, model, optimizer, schedule, mesh, rules, state_shardings, dict(batch_shapes), microbatches)
+
+
+def _loss_and_grads(setup: Setup, params, batch, carry, rng):
+  def loss_fn(p):
+    outputs, new_carry = setup.family.forward(setup.model, p, batch, carry, rngs={"dropout": rng}, deterministic=False)
+    loss, metrics = setup.family.loss_and_metrics(outputs, batch)
+    return loss, (metrics, new_carry)
+
+  (loss, (metrics, new_carry)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return loss, metrics, new_carry, grads
+
+
+def _accumulated_loss_and_grads(setup: Setup, params, batch, carry, rng):
+  """Gradient accumulation: the batch is split into `microbatches` slices scanned in sequence.
+
+  Each slice keeps its own rows' carry, so memory-carrying families see the same rows every step.
+  """
+  n = setup.microbatches
+  split = lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  micro_batches = jax.tree.map(split, batch)
+  micro_carry = jax.tree.map(split, carry)
+
+  def body(grad_sum, inputs):
+    micro_batch, micro_carry_in, index = inputs
+    loss, metrics, new_carry, grads = _loss_and_grads(setup, params, micro_batch, micro_carry_in,
+                                                      jax.random.fold_in(rng, index))
+    return jax.tree.map(jnp.add, grad_sum, grads), (loss, metrics, new_carry)
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  grad_sum, (losses, metrics, new_carry) = jax.lax.scan(body, zeros, (micro_batches, micro_carry, jnp.arange(n)))
+  merge = lambda x: x.reshape((-1,) + x.shape[2:])
+  return (losses.mean(), jax.tree.map(jnp.mean, metrics), jax.tree.map(merge, new_carry),
+          jax.tree.map(lambda g: g / n, grad_sum))
+
+
+def train_step(setup: Setup, state: TrainState, batch) -> tuple:
+  rng = jax.random.fold_in(state.rng, state.step)
+  compute = _accumulated_loss_and_grads if setup.microbatches > 1 else _loss_and_grads
+  loss, metrics, carry, grads = compute(setup, state.params, batch, state.carry, rng)
+  updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
+             "learning_rate": setup.schedule(state.step)}
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, carry=carry), metrics
+
+
+def eval_step(setup: Setup, params, batch) -> Dict[str, jax.Array]:
+  batch_size = next(iter(batch.values())).shape[0]
+  outputs, _ = setup.family.forward(setup.model, params, batch, setup.family.initial_carry(batch_size), rngs={},
+                                    deterministic=True)
+  loss, metrics = setup.family.loss_and_metrics(outputs, batch)
+  return {**metrics, "loss": loss}
+
+
+def jit_train_step(setup: Setup):
+  batch_shardings = {k: partitioning.batch_sharding(setup.mesh) for k in setup.batch_shapes}
+  replicated = partitioning.replicated(setup.mesh)
+  return jax.jit(lambda state, batch: train_step(setup, state, batch),
+                 in_shardings=(setup.state_shardings, batch_shardings),
+                 out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def _config_json(value):
+  if dataclasses.is_dataclass(value):
+    return {f.name: _config_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+  if isinstance(value, (str, int, float, bool)) or value is None:
+    return value
+  if isinstance(value, (list, tuple)):
+    return [_config_json(v) for v in value]
+  return str(jnp.dtype(value)) if isinstance(value, (type, np.dtype)) else str(value)
+
+
+def run_config(family: Family, task_name: str, feature_lengths: Mapping[str, int]) -> dict:
+  """What export and import need to rebuild the model without gin: family, sizes, vocabulary."""
+  return {"family": family.name, "model_config": _config_json(family.config), "task": task_name,
+          "feature_lengths": dict(feature_lengths), "vocab_model": "vocab.model"}
+
+
+def _mean_metrics(rows):
+  return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
+def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
+          batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
+          schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
+          eval_every_steps: int = 1000, eval_steps: int = 10, keep_checkpoints: int = 3, seed: int = 0,
+          microbatches: int = 1, num_slices: int = 1) -> Dict[str, Any]:
+  """Trains until `train_steps`, resuming from the latest checkpoint in model_dir if there is one.
+
+  Returns a summary: first and last logged loss, steps run this call, checkpoint directory.
+  """
+  mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
+  rules = partitioning.axis_rules()
+  batch_shapes = family.feature_shapes(batch_size, task_feature_lengths)
+  data = input_pipeline.InputPipeline(mixture_or_task_name, task_feature_lengths, batch_size,
+                                      {k: (s.shape[1:], s.dtype) for k, s in batch_shapes.items()},
+                                      batch_shards=int(np.prod([mesh.shape[a] for a in partitioning.BATCH_AXES])),
+                                      seed=seed)
+  family = family.with_vocab_size(data.vocabulary.vocab_size)
+  setup = build_setup(family, batch_shapes, optimizer, schedule, mesh, rules, microbatches)
+  if batch_size % microbatches:
+    raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches}")
+
+  model_path = epath.Path(model_dir)
+  model_path.mkdir(parents=True, exist_ok=True)
+  if jax.process_index() == 0 and not (model_path / "vocab.model").exists():
+    (model_path / "vocab.model").write_bytes(epath.Path(data.vocabulary.sentencepiece_model_file).read_bytes())
+  manager = checkpoints.make_manager(model_dir, keep_checkpoints)
+  train_iterator = data.iterator("train")
+  writer = MetricsWriter(model_dir, train_steps, start_step=0)
+
+  with mesh, nn.logical_axis_rules(rules):
+    latest = manager.latest_step()
+    if latest is not None:
+      state = checkpoints.restore(manager, latest, _abstract_with_shardings(setup), train_iterator)
+      writer = MetricsWriter(model_dir, train_steps, start_step=latest)
+      writer.message(f"resumed from step {latest} in {checkpoints.checkpoint_dir(model_dir)}")
+    else:
+      state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed))
+    step_fn = jit_train_step(setup)
+    eval_fn = jax.jit(lambda params, batch: eval_step(setup, params, batch))
+    config = run_config(family, mixture_or_task_name, task_feature_lengths)
+    tokens_per_step = batch_size * sum(v for k, v in task_feature_lengths.items() if k.endswith("input_ids"))
+    num_params = sum(x.size for x in jax.tree.leaves(state.params))
+    writer.message(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
+                   f"global batch {batch_size}, {jax.process_count()} process(es)")
+
+    losses, step, window_start = [], int(state.step), time.time()
+    window_first_step = step
+    while step < train_steps:
+      state, metrics = step_fn(state, partitioning.global_batch(next(train_iterator), mesh))
+      step += 1
+      if step % log_every_steps == 0 or step == train_steps:
+        metrics = jax.device_get(metrics)
+        elapsed = time.time() - window_start
+        metrics["tokens_per_second"] = tokens_per_step * (step - window_first_step) / max(elapsed, 1e-9)
+        writer.write(step, metrics)
+        losses.append(float(metrics["loss"]))
+        window_start, window_first_step = time.time(), step
+      if eval_every_steps and step % eval_every_steps == 0 and data.has_split("validation"):
+        rows = [jax.device_get(eval_fn(state.params, partitioning.global_batch(b, mesh)))
+                for b in data.take("validation", eval_steps)]
+        writer.write(step, _mean_metrics(rows), split="eval")
+      if step % checkpoint_every_steps == 0 or step == train_steps:
+        checkpoints.save(manager, step, state, train_iterator, config)
+    manager.wait_until_finished()
+  writer.close()
+  return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+          "steps": train_steps, "checkpoint_dir": str(checkpoints.checkpoint_dir(model_dir))}
+
+
+def _abstract_with_shardings(setup: Setup) -> TrainState:
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state(),
+                      setup.state_shardings)

@@ -1,0 +1,31 @@
+"""pod-pretrain: pretrain XLNet, BERT, ALBERT and BART on TPU pods with JAX."""
+import setuptools
+
+setuptools.setup(
+    name="pod-pretrain",
+    version="0.1.0",
+    description=__doc__,
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["pretrain*", "models*", "data_pipelines*", "launch*"]),
+    install_requires=[
+        "absl-py>=1.4",
+        "etils[epath]>=1.5",
+        "jax>=0.10.2,<0.12",
+        "flax>=0.12.8,<0.14",
+        "optax>=0.2.8,<0.4",
+        "orbax-checkpoint>=0.12.8,<0.14",
+        "seqio>=0.0.20,<0.1",
+        "tensorflow>=2.21,<2.23",
+        "tensorflow-text>=2.21,<2.23",
+        "tensorflow-datasets>=4.9.10,<5",
+        "sentencepiece>=0.2.3,<0.3",
+        "gin-config>=0.5.0,<0.6",
+        "tensorboard>=2.20",
+        "numpy>=2.0",
+    ],
+    extras_require={
+        # torch is pinned to the CPU wheel available offline; a range would pull a CUDA build.
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.12"],
+    },
+)

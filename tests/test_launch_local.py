@@ -1,0 +1,51 @@
+"""launch.local starts real JAX processes that join one job; a failing child stops the rest."""
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+JOIN_AND_GATHER = """
+import os
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+from launch import local
+
+jax.distributed.initialize(coordinator_address=os.environ[local.COORDINATOR_ADDRESS_ENV],
+                           num_processes=int(os.environ[local.NUM_PROCESSES_ENV]),
+                           process_id=int(os.environ[local.PROCESS_ID_ENV]))
+assert jax.device_count() == 4 and jax.local_device_count() == 2 and jax.process_count() == 2
+gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))
+print("gathered", gathered.ravel().tolist(), "on", jax.process_index(), flush=True)
+"""
+
+
+def launch_local(*args, timeout=60):
+  return subprocess.run([sys.executable, "-m", "launch.local", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
+
+
+def test_two_processes_join_and_allgather():
+  done = launch_local("--num_processes=2", "--devices_per_process=2", "--", sys.executable, "-c", JOIN_AND_GATHER)
+  assert done.returncode == 0, done.stdout + done.stderr
+  lines = done.stdout.splitlines()
+  assert "[process 0] gathered [10, 11] on 0" in lines
+  assert "[process 1] gathered [10, 11] on 1" in lines
+
+
+def test_failing_child_stops_the_others():
+  script = "import os, sys, time\nif os.environ['JAX_PROCESS_ID'] == '1': sys.exit(3)\ntime.sleep(60)"
+  start = time.monotonic()
+  done = launch_local("--num_processes=2", "--", sys.executable, "-c", script)
+  assert time.monotonic() - start < 15  # process 0 was terminated, not waited for
+  assert done.returncode == 3
+  assert done.stderr.splitlines() == ["launch.local: process 1 exited with code 3; stopped the others"]
+
+
+def test_missing_command_is_one_line_error():
+  done = launch_local("--num_processes=2")
+  assert done.returncode == 2
+  assert done.stderr.splitlines() == [
+      "launch.local: error: give the command to run after --, e.g. -- python -m pretrain.train ..."]

@@ -1,0 +1,233 @@
+"""launch.tpu against a recording stand-in `gcloud`: exact command lines, the preemption restart loop, errors."""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SLICE = ["--name=pod", "--zone=europe-west4-a"]
+ZONE = "--zone=europe-west4-a"
+INSTALL = "cd ~/pod-pretrain && python3 -m pip install -e '.[tpu]'"
+TRAIN = ("cd ~/pod-pretrain || exit 1; : > ~/pod-pretrain.log; "
+         "nohup python3 -m pretrain.train --gin_file=gin_configs/runs/a.gin --gin_file=b.gin "
+         "'--gin.MODEL_DIR=\"gs://bucket/run1\"' --gin.TRAIN_STEPS=100 --seed=3 "
+         ">> ~/pod-pretrain.log 2>&1 < /dev/null & pid=$!; "
+         "tail -n +1 -f --pid=$pid ~/pod-pretrain.log; wait $pid")
+RUN_FLAGS = ["--gin_file=gin_configs/runs/a.gin", "--gin_file=b.gin", "--model_dir=gs://bucket/run1",
+             "--gin_bindings=TRAIN_STEPS=100"]
+
+# Logs each call as a JSON line. Calls with --format (state checks) print the next line of the states
+# file (the last line repeats; "!REASON" fails with "ERROR: REASON" on stderr, as gcloud does). An ssh running
+# pretrain.train exits with $FAKE_TRAIN_RC. An scp records what the staged source directory holds.
+STAND_IN = """#!{python}
+import json, os, sys
+argv = sys.argv[1:]
+entry = {{"argv": argv}}
+if argv[3] == "scp":
+  entry["staged"] = sorted(os.listdir(argv[4]))
+with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
+  log.write(json.dumps(entry) + "\\n")
+if any(a.startswith("--format=") for a in argv):
+  path = os.environ["FAKE_GCLOUD_STATES"]
+  states = open(path).read().split()
+  if len(states) > 1:
+    open(path, "w").write("\\n".join(states[1:]))
+  if states[0].startswith("!"):
+    sys.exit("ERROR: (gcloud.compute.tpus) " + states[0][1:])
+  print(states[0])
+if argv[3] == "ssh" and "pretrain.train" in argv[-1]:
+  sys.exit(int(os.environ.get("FAKE_TRAIN_RC", "0")))
+"""
+
+
+class FakeGcloud:
+
+  def __init__(self, tmp_path: pathlib.Path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "gcloud"
+    script.write_text(STAND_IN.format(python=sys.executable))
+    script.chmod(0o755)
+    self.log = tmp_path / "calls.jsonl"
+    self.states = tmp_path / "states"
+    self.env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                    FAKE_GCLOUD_LOG=str(self.log), FAKE_GCLOUD_STATES=str(self.states))
+
+  def launch(self, *args, states=("READY",), train_rc=0, path=None):
+    self.states.write_text("\n".join(states))
+    env = dict(self.env, FAKE_TRAIN_RC=str(train_rc))
+    if path is not None:
+      env["PATH"] = path
+    return subprocess.run([sys.executable, "-m", "launch.tpu", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+  def entries(self):
+    return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+
+  def calls(self):
+    return [e["argv"] for e in self.entries()]
+
+
+@pytest.fixture
+def gcloud(tmp_path):
+  return FakeGcloud(tmp_path)
+
+
+def tpus(*words):
+  return ["compute", "tpus", *words]
+
+
+@pytest.mark.parametrize("flags, expected_tail", [
+    ([], []),
+    (["--spot"], ["--spot"]),
+    (["--preemptible", "--project=my-proj"], ["--preemptible"]),
+])
+def test_create_tpu_vm(gcloud, flags, expected_tail):
+  done = gcloud.launch("create", *SLICE, "--accelerator_type=v3-512", *flags)
+  assert done.returncode == 0, done.stderr
+  project = [f for f in flags if f.startswith("--project")]
+  assert gcloud.calls() == [tpus("tpu-vm", "create", "pod", ZONE, *project, "--accelerator-type=v3-512",
+                                 "--version=tpu-ubuntu2204-base", *expected_tail)]
+
+
+def test_create_queued_waits_until_active(gcloud):
+  done = gcloud.launch("create", *SLICE, "--accelerator_type=v3-512", "--queued", "--spot",
+                       "--runtime_version=v2-alpha", "--poll_seconds=0",
+                       states=("WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"))
+  assert done.returncode == 0, done.stderr
+  describe = tpus("queued-resources", "describe", "pod", ZONE, "--format=value(state.state)")
+  assert gcloud.calls() == [
+      tpus("queued-resources", "create", "pod", ZONE, "--node-id=pod", "--accelerator-type=v3-512",
+           "--runtime-version=v2-alpha", "--spot"),
+      describe, describe, describe,
+  ]
+  assert "queued resource pod is WAITING_FOR_RESOURCES; waiting for ACTIVE" in done.stdout
+
+
+def test_setup_copies_local_tree_and_installs(gcloud):
+  done = gcloud.launch("setup", *SLICE)
+  assert done.returncode == 0, done.stderr
+  (scp, install) = gcloud.entries()
+  assert re.fullmatch(r".+/pod-pretrain", scp["argv"][4])
+  assert scp["argv"][:4] + scp["argv"][5:] == tpus("tpu-vm", "scp") + ["pod:~/", ZONE, "--worker=all", "--recurse"]
+  assert {"launch", "setup.py"} <= set(scp["staged"])
+  assert not {".venv", ".git"} & set(scp["staged"])
+  assert install["argv"] == tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={INSTALL}")
+
+
+def test_setup_clones_repo_url(gcloud):
+  done = gcloud.launch("setup", *SLICE, "--repo_url=https://example.com/pod-pretrain.git", "--branch=v1")
+  assert done.returncode == 0, done.stderr
+  clone = ("rm -rf ~/pod-pretrain && git clone --depth=1 --branch=v1 https://example.com/pod-pretrain.git "
+           "~/pod-pretrain && " + INSTALL)
+  assert gcloud.calls() == [tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={clone}")]
+
+
+def test_run_starts_training_on_all_workers(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--", "--seed=3", train_rc=5)
+  assert done.returncode == 5  # the training exit code comes back through ssh
+  assert gcloud.calls() == [tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={TRAIN}")]
+
+
+def test_run_recreates_preempted_slice_and_runs_again(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--spot",
+                       "--restart_on_preemption", "--max_restarts=3", "--", "--seed=3",
+                       states=("PREEMPTED", "READY"))
+  assert done.returncode == 0, done.stderr
+  run = tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={TRAIN}")
+  describe = tpus("tpu-vm", "describe", "pod", ZONE, "--format=value(state)")
+  calls = gcloud.calls()
+  assert calls[:4] == [run, describe, tpus("tpu-vm", "delete", "pod", ZONE, "--quiet"),
+                       tpus("tpu-vm", "create", "pod", ZONE, "--accelerator-type=v3-512",
+                            "--version=tpu-ubuntu2204-base", "--spot")]
+  assert calls[4][3] == "scp"
+  assert calls[5:] == [tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={INSTALL}"), run, describe]
+  assert "slice pod preempted (PREEMPTED), recreating (restart 1/3)" in done.stdout
+
+
+def test_run_recreates_vanished_queued_slice_without_deleting(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--queued",
+                       "--restart_on_preemption", "--poll_seconds=0", "--", "--seed=3",
+                       states=("!NOT_FOUND", "ACTIVE"))
+  assert done.returncode == 0, done.stderr
+  verbs = [c[2] + " " + c[3] for c in gcloud.calls()]
+  assert verbs == ["tpu-vm ssh", "queued-resources describe", "queued-resources create",
+                   "queued-resources describe", "tpu-vm scp", "tpu-vm ssh", "tpu-vm ssh",
+                   "queued-resources describe"]
+  assert "slice pod is gone, recreating (restart 1/10)" in done.stdout
+
+
+def test_run_gives_up_after_max_restarts(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--restart_on_preemption",
+                       "--max_restarts=1", states=("PREEMPTED",))
+  assert done.returncode == 1
+  assert done.stderr.splitlines() == [
+      "launch.tpu: error: slice pod preempted (PREEMPTED); giving up after 1 restarts (--max_restarts)"]
+  assert [c[3] for c in gcloud.calls()].count("create") == 1
+
+
+def test_run_failure_on_healthy_slice_is_not_restarted(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--restart_on_preemption",
+                       states=("READY",), train_rc=3)
+  assert done.returncode == 3
+  assert [c[3] for c in gcloud.calls()] == ["ssh", "describe"]
+  assert "run exited with code 3 on a READY slice; not restarting" in done.stderr
+
+
+def test_run_does_not_recreate_when_state_is_unknown(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--restart_on_preemption",
+                       states=("!PERMISSION_DENIED",), train_rc=255)
+  assert done.returncode == 1
+  assert done.stderr.splitlines() == [
+      "launch.tpu: error: checking the state of pod failed: ERROR: (gcloud.compute.tpus) PERMISSION_DENIED"]
+  assert [c[3] for c in gcloud.calls()] == ["ssh", "describe"]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["status"], tpus("tpu-vm", "describe", "pod", ZONE)),
+    (["status", "--queued"], tpus("queued-resources", "describe", "pod", ZONE)),
+    (["logs"], tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=0", "--command=cat ~/pod-pretrain.log")),
+    (["logs", "--worker=3", "--follow"],
+     tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=3", "--command=tail -n +1 -f ~/pod-pretrain.log")),
+    (["delete"], tpus("tpu-vm", "delete", "pod", ZONE, "--quiet")),
+    (["delete", "--queued"], tpus("queued-resources", "delete", "pod", ZONE, "--force", "--quiet")),
+])
+def test_status_logs_delete(gcloud, args, expected):
+  done = gcloud.launch(args[0], *SLICE, *args[1:])
+  assert done.returncode == 0, done.stderr
+  assert gcloud.calls() == [expected]
+
+
+def test_dry_run_prints_commands_without_gcloud(gcloud, tmp_path):
+  done = gcloud.launch("create", *SLICE, "--accelerator_type=v3-512", "--spot", "--dry_run", path=str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  assert done.stdout == ("+ gcloud compute tpus tpu-vm create pod --zone=europe-west4-a "
+                         "--accelerator-type=v3-512 --version=tpu-ubuntu2204-base --spot\n")
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--dry_run", "--", "--seed=3", path=str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.startswith("+ gcloud compute tpus tpu-vm ssh pod --zone=europe-west4-a --worker=all ")
+  assert gcloud.calls() == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["create", *SLICE, "--accelerator_type=v3-512"],
+     "launch.tpu: error: gcloud not found on PATH; install the Google Cloud SDK or use --dry_run"),
+    (["run", *SLICE, "--model_dir=/tmp/run1", "--dry_run"],
+     "launch.tpu: error: --model_dir must be a gs:// URL so every host reads and writes the same "
+     "checkpoints (got '/tmp/run1')"),
+    (["create", *SLICE, "--accelerator_type=v3_512", "--dry_run"],
+     "launch.tpu: error: --accelerator_type='v3_512' is not like v3-512"),
+    (["create", "--zone=europe-west4-a", "--accelerator_type=v3-512", "--dry_run"],
+     "launch.tpu: error: the following arguments are required: --name"),
+    (["create", *SLICE, "--dry_run"],
+     "launch.tpu: error: --accelerator_type is required to create the slice (create)"),
+])
+def test_bad_input_is_one_line_error(gcloud, tmp_path, args, message):
+  done = gcloud.launch(*args, path=str(tmp_path))  # no gcloud on this PATH
+  assert done.returncode == 2
+  assert done.stderr.splitlines() == [message]
+  assert done.stdout == ""

@@ -1,4 +1,13 @@
-"""Per-host batches of a seqio task: this process's shard, fixed shapes, checkpointable iterators."""
+"""Per-host batches of a seqio task: this process's shards, fixed shapes, checkpointable iterators.
+
+The global batch is made of `num_data_shards` equal parts, each read from its own seqio shard
+(`ShardInfo(index, num_data_shards)`); a process reads the contiguous run of shards its rows
+belong to. By default there is one shard per process. Fixing the number of shards keeps the global
+batch the same however many processes read it (1 process × 4 devices = 2 processes × 2 devices),
+and one shard per batch row gives every row its own continuous stream (XLNet's memory needs that).
+With `reverse_odd_rows`, odd shards read the `<task>_reversed` variant of the shard before them:
+XLNet's bi_data pairs each forward row with the same text read backwards.
+"""
 from typing import Iterator, Mapping, Optional
 
 import jax
@@ -14,32 +23,55 @@ class InputPipeline:
   """Batches for one run. `model_features`: name -> (per-example shape, dtype)."""
 
   def __init__(self, task_name: str, feature_lengths: Mapping[str, int], global_batch_size: int,
-               model_features, batch_shards: int = 1, seed: int = 0,
-               process_index: Optional[int] = None, process_count: Optional[int] = None):
+               model_features, batch_shards: int = 1, seed: int = 0, num_data_shards: Optional[int] = None,
+               reverse_odd_rows: bool = False, process_index: Optional[int] = None,
+               process_count: Optional[int] = None):
     self.task = tasks.get_task_or_mixture(task_name)
     self.feature_lengths = dict(feature_lengths)
     self.process_index = jax.process_index() if process_index is None else process_index
     self.process_count = jax.process_count() if process_count is None else process_count
-    for divisor, what in ((self.process_count, "processes"), (batch_shards, "batch shards of the mesh")):
+    self.num_data_shards = num_data_shards or self.process_count
+    for divisor, what in ((self.process_count, "processes"), (batch_shards, "batch shards of the mesh"),
+                          (self.num_data_shards, "data shards")):
       if global_batch_size % divisor:
         raise ValueError(f"BATCH_SIZE={global_batch_size} is not divisible by the {divisor} {what}")
+    if self.num_data_shards % self.process_count:
+      raise ValueError(f"DATA_SHARDS={self.num_data_shards} is not a multiple of the {self.process_count} processes")
     self.host_batch_size = global_batch_size // self.process_count
+    self.shards_per_process = self.num_data_shards // self.process_count
     self.converter = FixedShapeFeatureConverter(model_features)
     self.seed = seed
+    self.reverse_odd_rows = reverse_odd_rows
+    if reverse_odd_rows and self.shards_per_process % 2:
+      raise ValueError(f"bi_data needs an even number of data shards per process, got {self.shards_per_process}")
 
   @property
   def vocabulary(self) -> seqio.Vocabulary:
-    return self.task.output_features["input_ids"].vocabulary
+    return next(iter(self.task.output_features.values())).vocabulary
 
   def has_split(self, split: str) -> bool:
     return split in self.task.splits
 
   def dataset(self, split: str, shuffle: bool, repeat: bool) -> tf.data.Dataset:
-    shard = seqio.ShardInfo(index=self.process_index, num_shards=self.process_count)
-    ds = seqio.get_dataset(self.task.name, self.feature_lengths, self.converter, dataset_split=split,
-                           shuffle=shuffle, num_epochs=None if repeat else 1, shard_info=shard, seed=self.seed,
-                           verbose=False)
-    return ds.batch(self.host_batch_size, drop_remainder=True).prefetch(2)
+    rows_per_shard = self.host_batch_size // self.shards_per_process
+    parts = []
+    # Tasks whose consecutive examples continue each other disallow shuffling after preprocessing.
+    shuffle = shuffle and self.task.shuffle_buffer_size is not None
+    for i in range(self.shards_per_process):
+      index = self.process_index * self.shards_per_process + i
+      task_name = self.task.name
+      if self.reverse_odd_rows and index % 2:
+        task_name, index = f"{task_name}_reversed", index - 1
+      shard = seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
+      ds = seqio.get_dataset(task_name, self.feature_lengths, self.converter, dataset_split=split,
+                             shuffle=shuffle, num_epochs=None if repeat else 1, shard_info=shard, seed=self.seed,
+                             verbose=False)
+      parts.append(ds.batch(rows_per_shard, drop_remainder=True))
+    if len(parts) == 1:
+      return parts[0].prefetch(2)
+    joined = tf.data.Dataset.zip(tuple(parts)).map(
+        lambda *batches: {k: tf.concat([b[k] for b in batches], 0) for k in batches[0]})
+    return joined.prefetch(2)
 
   def iterator(self, split: str = "train") -> Iterator:
     """A tf.data iterator (checkpointable with tf.train.Checkpoint) of numpy-convertible batches."""

@@ -4,13 +4,14 @@ Names are `<corpus>_<objective>`: `demo_bert_mlm_nsp` (the built-in demo corpus)
 `text_bert_mlm_nsp` (the user's TRAIN_FILES), `wikipedia_bert_mlm_nsp` (TFDS), and so on for every
 objective in OBJECTIVES. Demo tasks register themselves on first use (building the demo corpus).
 """
+import dataclasses
 import functools
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import seqio
 
 from data_pipelines import demo_corpus, sources, vocab
-from data_pipelines.objectives import documents, mlm, nsp_sop
+from data_pipelines.objectives import denoising, documents, mlm, nsp_sop, permutation, span_corruption
 
 # Pieces below this id are special (pad, eos, unk, bos, [CLS], [SEP], [MASK]): never a random replacement.
 FIRST_NORMAL_ID = 7
@@ -36,10 +37,59 @@ def albert_mlm_sop(vocabulary):
   return _sentence_pair_mlm(vocabulary, mode=nsp_sop.SOP, label_key="sop_label", max_ngram=3, whole_word=True)
 
 
-# objective name -> function(vocabulary) -> preprocessors applied after tokenization.
-OBJECTIVES: Dict[str, Callable[[seqio.Vocabulary], List]] = {
-    "bert_mlm_nsp": bert_mlm_nsp,
-    "albert_mlm_sop": albert_mlm_sop,
+def bart_denoising(vocabulary):
+  special = vocab.special_ids(vocabulary)
+  return [seqio.CacheDatasetPlaceholder(),
+          functools.partial(denoising.denoising_preprocessor, eos_id=special.eos, mask_id=special.mask,
+                            bos_id=special.bos, decoder_start_id=special.eos, vocab_size=vocabulary.vocab_size)]
+
+
+@seqio.map_over_dataset
+def _flatten_sentences(example):
+  return {"targets": example["sentences"].flat_values}
+
+
+def t5_span_corruption(vocabulary):
+  special = vocab.special_ids(vocabulary)
+  return [seqio.CacheDatasetPlaceholder(), _flatten_sentences,
+          functools.partial(span_corruption.span_corruption_preprocessor, eos_id=special.eos,
+                            first_sentinel_id=vocabulary.vocab_size - 1, decoder_start_id=special.pad)]
+
+
+def xlnet_plm(vocabulary, reverse: bool = False):
+  """The paper's proportions: reuse_len = perm_size = seq_len / 2, num_predict from target_ids."""
+  special = vocab.special_ids(vocabulary)
+  word_start = vocab.word_start_table(vocabulary)
+
+  def windows(dataset, sequence_length):
+    seq_len = sequence_length["input_ids"]
+    return permutation.xlnet_windows(dataset, seq_len=seq_len, reuse_len=seq_len // 2, sep_id=special.sep,
+                                     cls_id=special.cls, reverse=reverse)
+
+  def features(dataset, sequence_length):
+    seq_len = sequence_length["input_ids"]
+    return permutation.xlnet_permutation_features(
+        dataset, seq_len=seq_len, reuse_len=seq_len // 2, perm_size=seq_len // 2,
+        num_predict=sequence_length["target_ids"], word_start=word_start, sep_id=special.sep, cls_id=special.cls)
+
+  return [seqio.CacheDatasetPlaceholder(), windows, features]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  preprocessors: Callable[[seqio.Vocabulary], List]  # applied after tokenization
+  token_features: Tuple[str, ...] = ("input_ids",)  # features holding vocabulary ids
+  extra_ids: int = 0  # sentinel pieces appended to the vocabulary (T5)
+  reversible: bool = False  # also registered as `<name>_reversed` over right-to-left text (bi_data)
+
+
+_ENCODER_DECODER = ("encoder_input_ids", "decoder_input_ids")
+OBJECTIVES: Dict[str, Objective] = {
+    "bert_mlm_nsp": Objective(bert_mlm_nsp),
+    "albert_mlm_sop": Objective(albert_mlm_sop),
+    "bart_denoising": Objective(bart_denoising, _ENCODER_DECODER),
+    "t5_span_corruption": Objective(t5_span_corruption, _ENCODER_DECODER, extra_ids=100),
+    "xlnet_plm": Objective(xlnet_plm, reversible=True),
 }
 
 
@@ -48,16 +98,19 @@ def register_task(name: str, source: seqio.DataSource, objective: str, vocab_mod
   """Registers (or replaces) `name`: source documents -> tokenized sentences -> objective."""
   if objective not in OBJECTIVES:
     raise ValueError(f"objective={objective!r}: expected one of {sorted(OBJECTIVES)}")
-  vocabulary = vocab.load_vocabulary(vocab_model)
-  seqio.TaskRegistry.remove(name)
-  seqio.TaskRegistry.add(
-      name,
-      source=source,
-      preprocessors=[*extra_preprocessors, documents.tokenize_sentences,
-                     *OBJECTIVES[objective](vocabulary)],
-      output_features={"input_ids": seqio.Feature(vocabulary, add_eos=False)},
-      shuffle_buffer_size=10_000,
-  )
+  spec = OBJECTIVES[objective]
+  vocabulary = vocab.load_vocabulary(vocab_model, extra_ids=spec.extra_ids)
+  variants = {name: {}, f"{name}_reversed": {"reverse": True}} if spec.reversible else {name: {}}
+  for task_name, kwargs in variants.items():
+    seqio.TaskRegistry.remove(task_name)
+    seqio.TaskRegistry.add(
+        task_name,
+        source=source,
+        preprocessors=[*extra_preprocessors, documents.tokenize_sentences, *spec.preprocessors(vocabulary, **kwargs)],
+        output_features={feature: seqio.Feature(vocabulary, add_eos=False) for feature in spec.token_features},
+        # Streams whose examples continue each other (XLNet) must not be shuffled after preprocessing.
+        shuffle_buffer_size=None if spec.reversible else 10_000,
+    )
   return name
 
 

@@ -5,7 +5,7 @@ task name; everything else (mesh, rules, optimizer) is configuration.
 """
 import dataclasses
 import time
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 import flax
 import flax.linen as nn
@@ -21,6 +21,9 @@ from pretrain import checkpoints, partitioning
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter
 from pretrain.optimizers import make_optimizer, warmup_linear_decay
+
+
+INIT_ROWS = 2  # rows of the dummy batch that initialises params: bi_data needs a forward and a backward row
 
 
 @flax.struct.dataclass
@@ -48,9 +51,14 @@ class Setup:
   def abstract_state(self) -> TrainState:
     return jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
 
+  def sharded_abstract_state(self) -> TrainState:
+    """Shapes, dtypes and shardings of the state: what restore and ahead-of-time compilation need."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_state(),
+                        self.state_shardings)
+
   def init_state(self, rng) -> TrainState:
     params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
-    example = {k: jnp.zeros((1,) + s.shape[1:], s.dtype) for k, s in self.batch_shapes.items()}
+    example = {k: jnp.zeros((INIT_ROWS,) + s.shape[1:], s.dtype) for k, s in self.batch_shapes.items()}
     params = nn.unbox(self.model.init({"params": params_rng, "dropout": dropout_rng}, example)["params"])
     batch_size = next(iter(self.batch_shapes.values())).shape[0]
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
@@ -60,7 +68,7 @@ class Setup:
 def build_setup(family: Family, batch_shapes, optimizer, schedule, mesh, rules, microbatches: int = 1) -> Setup:
   """Derives every shardings from the model's logical axis names and the rules."""
   model = family.make_model()
-  example = {k: jax.ShapeDtypeStruct((1,) + s.shape[1:], s.dtype) for k, s in batch_shapes.items()}
+  example = {k: jax.ShapeDtypeStruct((INIT_ROWS,) + s.shape[1:], s.dtype) for k, s in batch_shapes.items()}
   boxed = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)},
                                             {k: jnp.zeros(s.shape, s.dtype) for k, s in example.items()}))["params"]
   param_shardings = partitioning.logical_shardings(nn.get_partition_spec(boxed), mesh, rules)
@@ -73,6 +81,25 @@ def build_setup(family: Family, batch_shapes, optimizer, schedule, mesh, rules, 
   state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated,
                                carry=carry_shardings)
   return Setup(family, model, optimizer, schedule, mesh, rules, state_shardings, dict(batch_shapes), microbatches)
+
+
+def setup_for_run(family: Family, task_feature_lengths: Mapping[str, int], batch_size: int, mesh,
+                  optimizer: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
+                  vocab_size: int) -> Setup:
+  """The Setup `train` runs, from its gin-bound arguments and the vocabulary size; reads no data.
+
+  pretrain.plan compiles this same Setup for a TPU topology, so its figures are the training step's.
+  """
+  if batch_size % microbatches:
+    raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches}")
+  family = family.with_vocab_size(vocab_size)
+  return build_setup(family, family.feature_shapes(batch_size, task_feature_lengths), optimizer, schedule, mesh,
+                     partitioning.axis_rules(), microbatches)
+
+
+def tokens_per_batch(batch_size: int, feature_lengths: Mapping[str, int]) -> int:
+  """Input tokens of a global batch (encoder and decoder inputs for encoder-decoder families)."""
+  return batch_size * sum(v for k, v in feature_lengths.items() if k.endswith("input_ids"))
 
 
 def _loss_and_grads(setup: Setup, params, batch, carry, rng):
@@ -159,22 +186,23 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
           eval_every_steps: int = 1000, eval_steps: int = 10, keep_checkpoints: int = 3, seed: int = 0,
-          microbatches: int = 1, num_slices: int = 1) -> Dict[str, Any]:
+          microbatches: int = 1, num_slices: int = 1,
+          data_shards: Optional[int] = None) -> Dict[str, Any]:
   """Trains until `train_steps`, resuming from the latest checkpoint in model_dir if there is one.
 
+  `data_shards`: how many seqio shards make up the global batch (default: one per process).
   Returns a summary: first and last logged loss, steps run this call, checkpoint directory.
   """
   mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
-  rules = partitioning.axis_rules()
   batch_shapes = family.feature_shapes(batch_size, task_feature_lengths)
   data = input_pipeline.InputPipeline(mixture_or_task_name, task_feature_lengths, batch_size,
                                       {k: (s.shape[1:], s.dtype) for k, s in batch_shapes.items()},
                                       batch_shards=int(np.prod([mesh.shape[a] for a in partitioning.BATCH_AXES])),
-                                      seed=seed)
-  family = family.with_vocab_size(data.vocabulary.vocab_size)
-  setup = build_setup(family, batch_shapes, optimizer, schedule, mesh, rules, microbatches)
-  if batch_size % microbatches:
-    raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches}")
+                                      seed=seed, num_data_shards=family.data_shards(batch_size) or data_shards,
+                                      reverse_odd_rows=family.reverse_odd_rows())
+  setup = setup_for_run(family, task_feature_lengths, batch_size, mesh, optimizer, schedule, microbatches,
+                        data.vocabulary.vocab_size)
+  family = setup.family
 
   model_path = epath.Path(model_dir)
   model_path.mkdir(parents=True, exist_ok=True)
@@ -184,10 +212,10 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   train_iterator = data.iterator("train")
   writer = MetricsWriter(model_dir, train_steps, start_step=0)
 
-  with mesh, nn.logical_axis_rules(rules):
+  with mesh, nn.logical_axis_rules(setup.rules):
     latest = manager.latest_step()
     if latest is not None:
-      state = checkpoints.restore(manager, latest, _abstract_with_shardings(setup), train_iterator)
+      state = checkpoints.restore(manager, latest, setup.sharded_abstract_state(), train_iterator)
       writer = MetricsWriter(model_dir, train_steps, start_step=latest)
       writer.message(f"resumed from step {latest} in {checkpoints.checkpoint_dir(model_dir)}")
     else:
@@ -195,7 +223,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     step_fn = jit_train_step(setup)
     eval_fn = jax.jit(lambda params, batch: eval_step(setup, params, batch))
     config = run_config(family, mixture_or_task_name, task_feature_lengths)
-    tokens_per_step = batch_size * sum(v for k, v in task_feature_lengths.items() if k.endswith("input_ids"))
+    tokens_per_step = tokens_per_batch(batch_size, task_feature_lengths)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     writer.message(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
                    f"global batch {batch_size}, {jax.process_count()} process(es)")
@@ -222,8 +250,3 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   writer.close()
   return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
           "steps": train_steps, "checkpoint_dir": str(checkpoints.checkpoint_dir(model_dir))}
-
-
-def _abstract_with_shardings(setup: Setup) -> TrainState:
-  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), setup.abstract_state(),
-                      setup.state_shardings)

@@ -253,10 +253,10 @@ def test_seqio_preprocessors_are_reproducible_with_fixed_shapes():
     with seqio.map_seed_manager(123):
       bart = denoising.denoising_preprocessor(
           tf.data.Dataset.from_tensor_slices({"sentences": docs}),
-          sequence_length={"encoder_input_ids": 16, "decoder_target_ids": 16}, eos_id=EOS, mask_id=MASK)
+          sequence_length={"encoder_input_ids": 16, "decoder_input_ids": 16}, eos_id=EOS, mask_id=MASK)
       t5 = span_corruption.span_corruption_preprocessor(
           tf.data.Dataset.from_tensor_slices({"targets": tokens}),
-          sequence_length={"encoder_input_ids": 32, "decoder_target_ids": 16}, eos_id=EOS, first_sentinel_id=999)
+          sequence_length={"encoder_input_ids": 32, "decoder_input_ids": 16}, eos_id=EOS, first_sentinel_id=999)
     return bart, t5
 
   for dataset, (encoder_length, decoder_length) in zip(run(), [(16, 16), (32, 16)]):

@@ -209,7 +209,7 @@ def denoising_features(sentences, seed, *, encoder_length: int, decoder_length: 
 @seqio.map_over_dataset(num_seeds=1)
 def denoising_preprocessor(features, seed, sequence_length, *, sentences_key: str = "sentences", **kwargs):
   """seqio preprocessor: features[sentences_key] -> the four encoder-decoder features, with lengths
-  sequence_length['encoder_input_ids'] and ['decoder_target_ids']; kwargs are denoising_features'
+  sequence_length['encoder_input_ids'] and ['decoder_input_ids']; kwargs are denoising_features'
   other keyword arguments (special ids, config)."""
   return denoising_features(features[sentences_key], seed, encoder_length=sequence_length["encoder_input_ids"],
-                            decoder_length=sequence_length["decoder_target_ids"], **kwargs)
+                            decoder_length=sequence_length["decoder_input_ids"], **kwargs)

@@ -97,7 +97,7 @@ def span_corruption_features(tokens, seed, *, encoder_length: int, decoder_lengt
 @seqio.map_over_dataset(num_seeds=1)
 def span_corruption_preprocessor(features, seed, sequence_length, *, tokens_key: str = "targets", **kwargs):
   """seqio preprocessor: features[tokens_key] -> the four encoder-decoder features, with lengths
-  sequence_length['encoder_input_ids'] and ['decoder_target_ids']; kwargs are span_corruption_features'
+  sequence_length['encoder_input_ids'] and ['decoder_input_ids']; kwargs are span_corruption_features'
   other keyword arguments (eos and sentinel ids, rates)."""
   return span_corruption_features(features[tokens_key], seed, encoder_length=sequence_length["encoder_input_ids"],
-                                  decoder_length=sequence_length["decoder_target_ids"], **kwargs)
+                                  decoder_length=sequence_length["decoder_input_ids"], **kwargs)

@@ -6,7 +6,7 @@ model outputs and a batch become a loss and metrics. The trainer's core never na
 """
 import abc
 import dataclasses
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -45,13 +45,22 @@ class Family(abc.ABC):
     del batch_size
     return {}
 
+  def data_shards(self, batch_size: int) -> Optional[int]:
+    """Families whose rows carry state across steps read one data shard per row (batch_size)."""
+    del batch_size
+    return None
+
+  def reverse_odd_rows(self) -> bool:
+    """Whether odd batch rows read the reversed text of the row before (XLNet's bi_data)."""
+    return False
+
   def carry_axes(self) -> Dict[str, Tuple[str, ...]]:
     """Logical axis names of each carry leaf, for sharding."""
     return {}
 
-  @abc.abstractmethod
   def forward(self, model: nn.Module, params, batch: Batch, carry, *, rngs, deterministic: bool):
-    """Returns (outputs, new_carry)."""
+    """Returns (outputs, new_carry); stateless families pass the carry through unchanged."""
+    return model.apply({"params": params}, batch, deterministic=deterministic, rngs=rngs), carry
 
   @abc.abstractmethod
   def loss_and_metrics(self, outputs, batch: Batch) -> Tuple[jax.Array, Metrics]:

@@ -46,9 +46,5 @@ class BertFamily(Family):
   def feature_shapes(self, batch_size, feature_lengths):
     return mlm_and_sentence_features(batch_size, feature_lengths, "nsp_label")
 
-  def forward(self, model, params, batch, carry, *, rngs, deterministic):
-    outputs = model.apply({"params": params}, batch, deterministic=deterministic, rngs=rngs)
-    return outputs, carry
-
   def loss_and_metrics(self, outputs, batch):
     return mlm_and_sentence_loss(outputs, batch, "nsp_label", "nsp_logits")

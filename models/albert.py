@@ -1,0 +1,109 @@
+"""ALBERT (Lan et al. 2019): BERT with a factorized embedding, cross-layer sharing and SOP.
+
+The word/position/token-type embeddings live in a small space E and are projected to the hidden
+size H; the MLM head maps back to E and scores against the same (tied) word embedding.
+"""
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models import layers
+from models.bert import BertEmbeddings, gather_positions
+
+# Which sublayers one module serves for every layer ("all" is the paper's default; the others are
+# its Table 4 ablations).
+SHARE_MODES = ("all", "attention", "ffn", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlbertConfig:
+  vocab_size: Optional[int] = 30000  # None: the run's vocabulary size
+  embedding_size: int = 128
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  mlp_dim: int = 3072
+  max_position_embeddings: int = 512
+  type_vocab_size: int = 2
+  dropout_rate: float = 0.0  # ALBERT pretrains without dropout
+  layer_norm_eps: float = 1e-12
+  share: str = "all"
+  approximate_gelu: bool = True  # google-research/albert's tanh GELU (HF "gelu_new")
+  dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
+  remat_policy: str = "none"
+
+  def __post_init__(self):
+    if self.share not in SHARE_MODES:
+      raise ValueError(f"share={self.share!r}: expected one of {SHARE_MODES}")
+    if self.hidden_size % self.num_heads:
+      raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+
+class AlbertEncoder(nn.Module):
+  """Embeddings (E), projection E -> H and the layer stack; returns hidden states and the word embedding.
+
+  A layer is an attention sublayer then an FFN sublayer; each is either one module called by every
+  layer (shared) or one module per layer, so the four sharing modes are one code path.
+  """
+  config: AlbertConfig
+
+  def sublayers(self, make, name: str, shared: bool) -> list:
+    cfg = self.config
+    if shared:
+      return [make(f"shared_{name}")] * cfg.num_layers
+    return [make(f"layer_{i}_{name}") for i in range(cfg.num_layers)]
+
+  @nn.compact
+  def __call__(self, input_ids, segment_ids, deterministic: bool):
+    cfg = self.config
+    x, word = BertEmbeddings(cfg.vocab_size, cfg.embedding_size, cfg.max_position_embeddings, cfg.type_vocab_size,
+                             cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, name="embeddings")(
+                                 input_ids, segment_ids, deterministic)
+    # E -> H. E is small and stays whole ("hidden" is never sharded); H is the "embed" of every layer.
+    x = layers.dense(cfg.hidden_size, ("hidden",), ("embed",), dtype=cfg.dtype, name="embedding_projection")(x)
+    x = layers.constrain(x, layers.BATCH_LENGTH_EMBED)
+    bias = layers.attention_bias(input_ids > 0, input_ids > 0)
+
+    attention_cls = layers.maybe_remat(layers.PostLNAttentionBlock, cfg.remat_policy, static_argnums=(4,))
+    ffn_cls = layers.maybe_remat(layers.PostLNFeedForwardBlock, cfg.remat_policy, static_argnums=(2,))
+    attentions = self.sublayers(
+        lambda name: attention_cls(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.dropout_rate,
+                                   cfg.layer_norm_eps, cfg.dtype, name=name),
+        "attention", cfg.share in ("all", "attention"))
+    ffns = self.sublayers(
+        lambda name: ffn_cls(cfg.mlp_dim, cfg.dropout_rate, 0.0, cfg.layer_norm_eps, cfg.dtype,
+                             cfg.approximate_gelu, name=name),
+        "ffn", cfg.share in ("all", "ffn"))
+    for attention, ffn in zip(attentions, ffns):
+      x = ffn(attention(x, x, bias, deterministic), deterministic)
+    return x, word
+
+
+class AlbertForPreTraining(nn.Module):
+  """Inputs: input_ids, segment_ids [b, l] and optionally masked_positions [b, p].
+
+  Returns mlm_logits ([b, p, vocab] at masked_positions, else [b, l, vocab]) and sop_logits [b, 2].
+  """
+  config: AlbertConfig
+
+  @nn.compact
+  def __call__(self, features, deterministic: bool = True):
+    cfg = self.config
+    length = features["input_ids"].shape[1]
+    if length > cfg.max_position_embeddings:
+      raise ValueError(f"sequence length {length} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    hidden, word = AlbertEncoder(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
+    pooler = layers.dense(cfg.hidden_size, ("embed",), ("hidden",), dtype=cfg.dtype, name="pooler")
+    pooled = jnp.tanh(pooler(hidden[:, 0]))  # the [CLS] position
+    sop_logits = layers.dense(2, ("hidden",), (None,), dtype=cfg.dtype, name="sop")(pooled)
+    if "masked_positions" in features:
+      hidden = gather_positions(hidden, features["masked_positions"])
+    mlm_logits = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, features=cfg.embedding_size,
+                                     approximate_gelu=cfg.approximate_gelu, name="mlm")(hidden, word)
+    return {"mlm_logits": mlm_logits.astype(jnp.float32), "sop_logits": sop_logits.astype(jnp.float32)}

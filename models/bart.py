@@ -1,0 +1,141 @@
+"""BART (Lewis et al. 2019): a post-LN Transformer encoder-decoder trained to reconstruct corrupted text.
+
+As in fairseq: one token embedding shared by encoder, decoder and the output layer (plus a
+`final_logits_bias`), learned positions whose table starts 2 rows in, LayerNorm on the embeddings,
+GELU, and no final LayerNorm after the stacks.
+
+Padding: this framework's vocabulary has pad id 0 (fairseq/HF BART use 1), so encoder keys are
+masked where encoder_input_ids == 0. The decoder uses the causal mask alone: its padding is
+trailing, so no real position can attend to it, and the decoder start id may itself be 0.
+"""
+import dataclasses
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from models import layers
+
+POSITION_OFFSET = 2  # fairseq reserves the first rows of the position table for its padding scheme
+
+
+@dataclasses.dataclass(frozen=True)
+class BartConfig:
+  vocab_size: Optional[int] = 32000  # None: the run's vocabulary size
+  d_model: int = 768
+  encoder_layers: int = 6
+  decoder_layers: int = 6
+  num_heads: int = 12
+  ffn_dim: int = 3072
+  max_position_embeddings: int = 1024
+  dropout_rate: float = 0.1
+  attention_dropout: float = 0.0
+  activation_dropout: float = 0.0
+  layer_norm_eps: float = 1e-5
+  scale_embedding: bool = False  # multiply token embeddings by sqrt(d_model)
+  dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
+  remat_policy: str = "none"
+
+  def __post_init__(self):
+    if self.d_model % self.num_heads:
+      raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+class BartEmbeddings(nn.Module):
+  """Shared token embedding (optionally scaled) + learned positions, then LayerNorm and dropout."""
+  config: BartConfig
+
+  @nn.compact
+  def __call__(self, ids, shared: nn.Embed, deterministic: bool):
+    cfg = self.config
+    length = ids.shape[1]
+    if length > cfg.max_position_embeddings:
+      raise ValueError(f"sequence length {length} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    position = layers.embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.d_model, ("position", "embed"),
+                                cfg.dtype, "position")
+    scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+    x = shared(ids) * scale + position(jnp.arange(length)[None, :] + POSITION_OFFSET)
+    x = layers.layer_norm(cfg.layer_norm_eps, cfg.dtype, "norm")(x)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    return layers.constrain(x, layers.BATCH_LENGTH_EMBED)
+
+
+def attention_block(cfg: BartConfig, name: str) -> layers.PostLNAttentionBlock:
+  return layers.PostLNAttentionBlock(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.attention_dropout,
+                                     cfg.layer_norm_eps, cfg.dtype, name=name)
+
+
+def ffn_block(cfg: BartConfig) -> layers.PostLNFeedForwardBlock:
+  return layers.PostLNFeedForwardBlock(cfg.ffn_dim, cfg.dropout_rate, cfg.activation_dropout, cfg.layer_norm_eps,
+                                       cfg.dtype, name="ffn")
+
+
+class BartEncoderLayer(nn.Module):
+  config: BartConfig
+
+  @nn.compact
+  def __call__(self, x, bias, deterministic: bool):
+    x = attention_block(self.config, "self_attention")(x, x, bias, deterministic)
+    return ffn_block(self.config)(x, deterministic)
+
+
+class BartDecoderLayer(nn.Module):
+  config: BartConfig
+
+  @nn.compact
+  def __call__(self, x, encoded, self_bias, cross_bias, deterministic: bool):
+    x = attention_block(self.config, "self_attention")(x, x, self_bias, deterministic)
+    x = attention_block(self.config, "cross_attention")(x, encoded, cross_bias, deterministic)
+    return ffn_block(self.config)(x, deterministic)
+
+
+class BartEncoder(nn.Module):
+  config: BartConfig
+
+  @nn.compact
+  def __call__(self, ids, shared: nn.Embed, deterministic: bool):
+    cfg = self.config
+    x = BartEmbeddings(cfg, name="embeddings")(ids, shared, deterministic)
+    bias = layers.attention_bias(ids > 0, ids > 0)
+    layer_cls = layers.maybe_remat(BartEncoderLayer, cfg.remat_policy, static_argnums=(3,))
+    for i in range(cfg.encoder_layers):
+      x = layer_cls(cfg, name=f"layer_{i}")(x, bias, deterministic)
+    return x
+
+
+class BartDecoder(nn.Module):
+  config: BartConfig
+
+  @nn.compact
+  def __call__(self, ids, encoded, encoder_ids, shared: nn.Embed, deterministic: bool):
+    cfg = self.config
+    x = BartEmbeddings(cfg, name="embeddings")(ids, shared, deterministic)
+    self_bias = layers.causal_bias(ids.shape[1])
+    cross_bias = layers.attention_bias(jnp.ones_like(ids), encoder_ids > 0)
+    layer_cls = layers.maybe_remat(BartDecoderLayer, cfg.remat_policy, static_argnums=(5,))
+    for i in range(cfg.decoder_layers):
+      x = layer_cls(cfg, name=f"layer_{i}")(x, encoded, self_bias, cross_bias, deterministic)
+    return x
+
+
+class BartForConditionalGeneration(nn.Module):
+  """Inputs: encoder_input_ids [b, l_enc], decoder_input_ids [b, l_dec] (targets shifted right).
+
+  Returns logits [b, l_dec, vocab] (fp32) for the next target token at every decoder position.
+  """
+  config: BartConfig
+
+  @nn.compact
+  def __call__(self, features, deterministic: bool = True):
+    cfg = self.config
+    encoder_ids, decoder_ids = features["encoder_input_ids"], features["decoder_input_ids"]
+    shared = layers.embedding(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), cfg.dtype, "shared")
+    encoded = BartEncoder(cfg, name="encoder")(encoder_ids, shared, deterministic)
+    hidden = BartDecoder(cfg, name="decoder")(decoder_ids, encoded, encoder_ids, shared, deterministic)
+    logits = layers.TiedLMBias(cfg.vocab_size, name="final_logits_bias")(shared.attend(hidden))
+    return {"logits": layers.constrain(logits, layers.BATCH_LENGTH_VOCAB).astype(jnp.float32)}

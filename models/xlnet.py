@@ -1,0 +1,245 @@
+"""XLNet (Yang et al. 2019): a Transformer-XL encoder trained as a permutation language model.
+
+A batch-major re-implementation of the reference TF code (zihangdai/xlnet `modeling.py`), which
+HuggingFace's `XLNetLMHeadModel` mirrors: relative positional attention with content, position
+and segment biases, segment-level recurrence (memory), and two-stream attention in which the
+query stream `g` predicts a position from its location alone while the content stream `h` also
+sees the token there.
+
+Conventions (as the reference, only batch first):
+- `perm_mask[b, i, j] = 1`: position i may not attend to position j. Memory is always visible.
+- `target_mapping[b, m, j] = 1`: the m-th prediction is at position j (rows of zeros = padding).
+- `input_mask[b, j] = 1`: position j is padding (optional; nobody attends to it).
+- `mems`: [b, n_layer, mlen, d_model], each layer's input states of earlier segments. Batch leads
+  so that the trainer can split it with the batch (gradient accumulation, data parallelism).
+- With `bi_data`, even batch rows use forward relative distances and odd rows backward ones (for
+  reversed text). The reference splits each core's batch in halves instead; alternating rows keep
+  every even-sized contiguous slice (a host's rows, a microbatch) half forward, half backward.
+Deliberate differences: one dropout mask on the relative encodings per direction rather than per
+example (saves projecting [b, klen + qlen, d_model] per layer); GELU is the exact (erf) form
+HuggingFace uses, where the reference TF code uses its tanh approximation.
+"""
+import dataclasses
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models import layers
+
+MEMORY_AXES = ("activation_batch", None, "activation_length", "activation_embed")
+BIAS_NAMES = ("r_w_bias", "r_r_bias", "r_s_bias")  # content, position and segment biases
+MASKED_SCORE = 1e30  # subtracted from blocked scores, as the reference does
+
+
+@dataclasses.dataclass(frozen=True)
+class XLNetConfig:
+  vocab_size: Optional[int] = 32000
+  d_model: int = 768
+  n_layer: int = 12
+  n_head: int = 12
+  d_head: int = 64
+  d_inner: int = 3072
+  dropout_rate: float = 0.1
+  layer_norm_eps: float = 1e-12
+  mem_len: int = 384  # 0 disables memory
+  reuse_len: int = 256  # positions of a segment cached for the next one; 0 = all
+  clamp_len: int = -1  # clip relative distances to [-clamp_len, clamp_len]; -1 = no clipping
+  bi_data: bool = True
+  untie_r: bool = True  # per-layer r_w/r_r/r_s biases; False shares one set across layers
+  attn_type: str = "bi"
+  dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
+  remat_policy: str = "none"
+
+  def __post_init__(self):
+    if self.attn_type != "bi":
+      raise ValueError(f"attn_type={self.attn_type!r}: only 'bi' (XLNet pretraining's attention) is supported")
+    if self.mem_len < 0 or self.reuse_len < 0:
+      raise ValueError(f"mem_len={self.mem_len}, reuse_len={self.reuse_len}: must be >= 0")
+
+
+def relative_encoding(qlen: int, klen: int, d_model: int, bi_data: bool, clamp_len: int) -> jax.Array:
+  """Sinusoids of the query-minus-key distances klen .. -qlen+1, [directions, klen + qlen, d_model].
+
+  Direction 0 is forward; with `bi_data` direction 1 holds the negated (backward) distances.
+  """
+  distances = jnp.arange(klen, -qlen, -1, dtype=jnp.float32)
+  distances = jnp.stack([distances, -distances]) if bi_data else distances[None]
+  if clamp_len > 0:
+    distances = jnp.clip(distances, -clamp_len, clamp_len)
+  inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, d_model, 2, dtype=jnp.float32) / d_model))
+  angles = distances[..., None] * inv_freq
+  return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
+def rel_shift(scores: jax.Array, klen: int) -> jax.Array:
+  """[b, n, q, klen + q] scores per distance -> [b, n, q, klen] scores per key.
+
+  Row i of the input runs over distances klen .. -q+1; key j sits at distance (klen - q + i) - j.
+  Dropping one row of the transposed layout shifts row i left by q - i: a reshape, no gather.
+  """
+  b, n, q, r = scores.shape
+  shifted = scores.reshape(b, n, r, q)[:, :, 1:].reshape(b, n, q, r - 1)
+  return shifted[..., :klen]
+
+
+def position_scores(query: jax.Array, key_r: jax.Array) -> jax.Array:
+  """query [b, q, n, d] x key_r [directions, r, n, d] -> [b, n, q, r]; row i uses direction i % directions."""
+  directions = key_r.shape[0]
+  query = query.reshape((query.shape[0] // directions, directions) + query.shape[1:])
+  scores = jnp.einsum("bzind,zjnd->bznij", query, key_r)
+  return scores.reshape((-1,) + scores.shape[2:])
+
+
+def attention_masks(perm_mask, input_mask, batch: int, qlen: int, mlen: int):
+  """(query-stream, content-stream) masks [b, q, mlen + q], True = blocked.
+
+  The content stream may always see its own position; the query stream only if perm_mask allows.
+  """
+  blocked = jnp.zeros((batch, qlen, qlen), bool) if perm_mask is None else perm_mask > 0
+  if input_mask is not None:
+    blocked = blocked | (input_mask[:, None, :] > 0)
+  blocked = jnp.pad(blocked, ((0, 0), (0, 0), (mlen, 0)))
+  own_position = jnp.eye(qlen, mlen + qlen, k=mlen, dtype=bool)
+  return blocked, blocked & ~own_position
+
+
+def segment_difference(segment_ids: jax.Array, mlen: int) -> jax.Array:
+  """[b, q, mlen + q] True where query and key lie in different segments; memory counts as segment 0."""
+  key_segments = jnp.pad(segment_ids, ((0, 0), (mlen, 0)))
+  return segment_ids[:, :, None] != key_segments[:, None, :]
+
+
+def cache_memory(h: jax.Array, mem: jax.Array, mem_len: int, reuse_len: int) -> jax.Array:
+  """The next segment's memory: the last mem_len states of [memory, first reuse_len positions of h]."""
+  if reuse_len > 0:
+    h = h[:, :reuse_len]
+  states = jnp.concatenate([mem.astype(h.dtype), h], axis=1)
+  return jax.lax.stop_gradient(states[:, max(states.shape[1] - mem_len, 0):]).astype(jnp.float32)
+
+
+def relative_biases(module: nn.Module, config: XLNetConfig) -> dict:
+  init = layers.with_axes(layers.default_kernel_init, ("heads", "kv"))
+  return {name: module.param(name, init, (config.n_head, config.d_head), jnp.float32) for name in BIAS_NAMES}
+
+
+class RelativeAttention(nn.Module):
+  """Two-stream relative attention plus the residual LayerNorm; both streams share every weight."""
+  config: XLNetConfig
+
+  @nn.compact
+  def __call__(self, h, g, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic):
+    cfg = self.config
+    head_init = layers.with_axes(layers.default_kernel_init, ("embed", "heads", "kv"))
+    shape = (cfg.d_model, cfg.n_head, cfg.d_head)
+    weights = {name: self.param(name, head_init, shape, jnp.float32).astype(cfg.dtype) for name in "qkvor"}
+    biases = relative_biases(self, cfg) if shared_biases is None else shared_biases
+    biases = {name: value.astype(cfg.dtype) for name, value in biases.items()}
+    seg_embed = self.param("seg_embed", layers.with_axes(layers.default_kernel_init, (None, "heads", "kv")),
+                           (2, cfg.n_head, cfg.d_head), jnp.float32).astype(cfg.dtype)
+    norm = layers.layer_norm(cfg.layer_norm_eps, cfg.dtype, "layer_norm")
+    drop = nn.Dropout(cfg.dropout_rate)
+
+    def project(x, name):
+      return layers.constrain(jnp.einsum("bld,dnh->blnh", x, weights[name]), layers.BATCH_LENGTH_HEADS_KV)
+
+    keys_in = jnp.concatenate([mem, h], axis=1)
+    key, value = project(keys_in, "k"), project(keys_in, "v")
+    key_r = jnp.einsum("zrd,dnh->zrnh", pos_emb, weights["r"])
+
+    def attend(query, mask):
+      content = jnp.einsum("bind,bjnd->bnij", query + biases["r_w_bias"], key)
+      position = rel_shift(position_scores(query + biases["r_r_bias"], key_r), key.shape[1])
+      segment = jnp.einsum("bind,snd->bnis", query + biases["r_s_bias"], seg_embed)
+      segment = jnp.where(seg_diff[:, None], segment[..., 1:], segment[..., :1])
+      scores = (content + position + segment).astype(jnp.float32) / jnp.sqrt(jnp.float32(cfg.d_head))
+      # Softmax in fp32: bf16 loses too much in the normaliser.
+      probs = jax.nn.softmax(scores - MASKED_SCORE * mask[:, None], axis=-1).astype(cfg.dtype)
+      probs = drop(probs, deterministic=deterministic)
+      return layers.constrain(jnp.einsum("bnij,bjnd->bind", probs, value), layers.BATCH_LENGTH_HEADS_KV)
+
+    def residual(x, context):
+      out = drop(jnp.einsum("binh,dnh->bid", context, weights["o"]), deterministic=deterministic)
+      return layers.constrain(norm(out + x), layers.BATCH_LENGTH_EMBED)
+
+    h_out = residual(h, attend(project(h, "q"), mask_h))
+    if g is None:
+      return h_out, None
+    # The query stream runs at full length: scatter its queries to their positions, gather back.
+    query_g = jnp.einsum("bmnd,bml->blnd", project(g, "q"), target_mapping)
+    context_g = jnp.einsum("blnd,bml->bmnd", attend(query_g, mask_g), target_mapping)
+    return h_out, residual(g, context_g)
+
+
+class XLNetLayer(nn.Module):
+  """Relative attention, then the shared position-wise FFN on each stream: x = LN(x + FFN(x))."""
+  config: XLNetConfig
+
+  @nn.compact
+  def __call__(self, h, g, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic):
+    cfg = self.config
+    h, g = RelativeAttention(cfg, name="rel_attn")(
+        h, g, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic)
+    ffn = layers.FeedForward(cfg.d_inner, cfg.dropout_rate, cfg.dtype, name="ff")
+    norm = layers.layer_norm(cfg.layer_norm_eps, cfg.dtype, "ff_norm")
+    drop = nn.Dropout(cfg.dropout_rate)
+
+    def position_wise(x):
+      return layers.constrain(norm(x + drop(ffn(x, deterministic), deterministic=deterministic)),
+                              layers.BATCH_LENGTH_EMBED)
+
+    return position_wise(h), None if g is None else position_wise(g)
+
+
+class XLNetLMHeadModel(nn.Module):
+  """Features: input_ids, segment_ids [b, l] int32; optional perm_mask [b, l, l], target_mapping
+  [b, p, l], input_mask [b, l] (float, see the module docstring). `mems` [b, n_layer, mlen, d_model].
+
+  Returns logits (fp32; [b, p, vocab] from the query stream with target_mapping, else [b, l, vocab]
+  from the content stream) and new_mems [b, n_layer, <=mem_len, d_model] (fp32, no gradient).
+  """
+  config: XLNetConfig
+
+  @nn.compact
+  def __call__(self, features, deterministic: bool = True, mems: Optional[jax.Array] = None):
+    cfg = self.config
+    input_ids = features["input_ids"]
+    batch, qlen = input_ids.shape
+    if cfg.bi_data and batch % 2:
+      raise ValueError(f"bi_data=True needs an even batch (alternating forward and backward rows), got batch {batch}")
+    if mems is None:
+      mems = jnp.zeros((batch, cfg.n_layer, 0, cfg.d_model), cfg.dtype)
+    if mems.ndim != 4 or mems.shape[:2] != (batch, cfg.n_layer) or mems.shape[3] != cfg.d_model:
+      raise ValueError(f"mems shape {mems.shape}: expected ({batch}, {cfg.n_layer}, mem_length, {cfg.d_model})")
+    mlen = mems.shape[2]
+
+    mask_g, mask_h = attention_masks(features.get("perm_mask"), features.get("input_mask"), batch, qlen, mlen)
+    seg_diff = segment_difference(features["segment_ids"], mlen)
+    drop = nn.Dropout(cfg.dropout_rate)
+    word = layers.embedding(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), cfg.dtype, "word_embedding")
+    h = layers.constrain(drop(word(input_ids), deterministic=deterministic), layers.BATCH_LENGTH_EMBED)
+    g, target_mapping = None, features.get("target_mapping")
+    if target_mapping is not None:
+      mask_emb = self.param("mask_emb", layers.with_axes(layers.default_kernel_init, (None, None, "embed")),
+                            (1, 1, cfg.d_model), jnp.float32)
+      g = jnp.broadcast_to(mask_emb.astype(cfg.dtype), (batch, target_mapping.shape[1], cfg.d_model))
+      g = drop(g, deterministic=deterministic)
+      target_mapping = target_mapping.astype(cfg.dtype)
+    pos_emb = relative_encoding(qlen, mlen + qlen, cfg.d_model, cfg.bi_data, cfg.clamp_len).astype(cfg.dtype)
+    pos_emb = drop(pos_emb, deterministic=deterministic)
+    shared_biases = None if cfg.untie_r else relative_biases(self, cfg)
+
+    # Argument 10 (counting self) is `deterministic`, a Python bool.
+    layer_cls = layers.maybe_remat(XLNetLayer, cfg.remat_policy, static_argnums=(10,))
+    new_mems = []
+    for i in range(cfg.n_layer):
+      new_mems.append(cache_memory(h, mems[:, i], cfg.mem_len, cfg.reuse_len))
+      h, g = layer_cls(cfg, name=f"layer_{i}")(h, g, mems[:, i].astype(cfg.dtype), pos_emb, seg_diff, mask_h,
+                                              mask_g, target_mapping, shared_biases, deterministic)
+
+    output = drop(h if g is None else g, deterministic=deterministic)
+    logits = layers.TiedLMBias(cfg.vocab_size, name="lm_loss")(word.attend(output))
+    logits = layers.constrain(logits, layers.BATCH_LENGTH_VOCAB)
+    new_mems = layers.constrain(jnp.stack(new_mems, axis=1), MEMORY_AXES)
+    return {"logits": logits.astype(jnp.float32), "new_mems": new_mems}

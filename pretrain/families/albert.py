@@ -1,0 +1,21 @@
+"""ALBERT family: masked LM at gathered positions plus sentence-order prediction."""
+import dataclasses
+
+from models.albert import AlbertConfig, AlbertForPreTraining
+from pretrain.families.base import Family
+from pretrain.families.bert import mlm_and_sentence_features, mlm_and_sentence_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class AlbertFamily(Family):
+  config: AlbertConfig = AlbertConfig()
+  name: str = "albert"
+
+  def make_model(self):
+    return AlbertForPreTraining(self.config)
+
+  def feature_shapes(self, batch_size, feature_lengths):
+    return mlm_and_sentence_features(batch_size, feature_lengths, "sop_label")
+
+  def loss_and_metrics(self, outputs, batch):
+    return mlm_and_sentence_loss(outputs, batch, "sop_label", "sop_logits")

@@ -1,0 +1,206 @@
+"""XLNet against transformers' XLNetLMHeadModel (fp32, eval mode): logits and memory with and without
+memory, bi_data and clamp_len, the content-only path; weight-mapping round trips; the two-stream
+property; shared biases; the family adapter."""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from models.xlnet import XLNetConfig, XLNetLMHeadModel
+from pretrain.families.xlnet import XLNetFamily
+from pretrain.hf_mappings import xlnet as mapping
+from pretrain.hf_mappings.common import flatten_params, from_hf, to_hf
+
+SEQ, NUM_PREDICT, MEM_LEN = 16, 4, 8
+SMALL = XLNetConfig(vocab_size=100, d_model=32, n_layer=3, n_head=4, d_head=8, d_inner=64, dropout_rate=0.0,
+                    mem_len=MEM_LEN, reuse_len=6, bi_data=False)
+TOLERANCE = 1e-4
+
+
+def plm_features(rng, batch, num_targets=(NUM_PREDICT,)):
+  """A permutation-LM batch built like the reference's _local_perm: context tokens are visible to all
+  and see no target; targets see the context and the targets earlier in a random order."""
+  num_targets = list(num_targets) + [NUM_PREDICT] * (batch - len(num_targets))
+  perm_mask = np.zeros((batch, SEQ, SEQ), np.float32)
+  target_mapping = np.zeros((batch, NUM_PREDICT, SEQ), np.float32)
+  for b in range(batch):
+    positions = np.sort(rng.choice(SEQ - 1, num_targets[b], replace=False))
+    order = np.full(SEQ, -1)
+    order[positions] = rng.permutation(num_targets[b])
+    is_target = order >= 0
+    perm_mask[b] = (order[:, None] <= order[None, :]) & is_target[None, :]
+    target_mapping[b, np.arange(num_targets[b]), positions] = 1.0  # rows past num_targets stay padding
+  segment_ids = np.array([0] * 9 + [1] * 6 + [2], np.int32)  # A, B, <cls> as in the reference records
+  return {"input_ids": rng.integers(0, SMALL.vocab_size, (batch, SEQ)).astype(np.int32),
+          "segment_ids": np.tile(segment_ids, (batch, 1)), "perm_mask": perm_mask, "target_mapping": target_mapping}
+
+
+def random_mems(rng, batch, config=SMALL):
+  return rng.standard_normal((batch, config.n_layer, MEM_LEN, config.d_model)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def params():
+  """Initial params plus noise, so zero biases and unit LayerNorm scales cannot hide a mapping error."""
+  model = XLNetLMHeadModel(SMALL)
+  initial = nn.unbox(model.init(jax.random.PRNGKey(0), plm_features(np.random.default_rng(0), 2))["params"])
+  rng = np.random.default_rng(1)
+  return jax.tree.map(lambda p: np.asarray(p) + 0.05 * rng.standard_normal(p.shape).astype(np.float32), initial)
+
+
+def build_hf(config, params):
+  kwargs = dict(mapping.hf_config(config))
+  hf_config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+  model = getattr(transformers, mapping.HF_CLASS)(hf_config).eval()
+  state = {key: torch.from_numpy(value) for key, value in to_hf(params, mapping.rules(config)).items()}
+  missing, unexpected = model.load_state_dict(state, strict=False)
+  assert not unexpected and set(missing) == {"lm_loss.weight"}  # the tied head, loaded via the embedding
+  assert model.lm_loss.weight.data_ptr() == model.transformer.word_embedding.weight.data_ptr()
+  return model
+
+
+def run_hf(model, features, mems):
+  """HF is time-major inside but takes batch-first inputs; its mems are per-layer [mlen, b, d]."""
+  inputs = {"input_ids": features["input_ids"], "token_type_ids": features["segment_ids"],
+            "perm_mask": features["perm_mask"], "target_mapping": features.get("target_mapping")}
+  inputs = {key: torch.from_numpy(value).long() if value.dtype == np.int32 else torch.from_numpy(value)
+            for key, value in inputs.items() if value is not None}
+  if mems is not None:
+    inputs["mems"] = [torch.from_numpy(np.ascontiguousarray(mems[:, i].transpose(1, 0, 2)))
+                      for i in range(mems.shape[1])]
+  with torch.no_grad():
+    out = model(**inputs, use_mems=True)
+  return out.logits.numpy(), np.stack([m.numpy().transpose(1, 0, 2) for m in out.mems], axis=1)
+
+
+CASES = {
+    "no_memory": (SMALL, 2, False, True),
+    "memory": (SMALL, 2, True, True),
+    "bi_data_clamped": (dataclasses.replace(SMALL, bi_data=True, clamp_len=5), 2, True, True),  # 1 fwd + 1 bwd
+    "content_only": (SMALL, 2, True, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_transformers(case, params):
+  config, batch, with_mems, two_stream = CASES[case]
+  rng = np.random.default_rng(2)
+  features = plm_features(rng, batch, num_targets=(NUM_PREDICT - 1,))  # example 0 has one padding prediction
+  if not two_stream:
+    del features["target_mapping"]
+  mems = random_mems(rng, batch) if with_mems else None
+  outputs = XLNetLMHeadModel(config).apply({"params": params}, features, mems=mems)
+  hf_logits, hf_mems = run_hf(build_hf(config, params), features, mems)
+
+  expected_length = NUM_PREDICT if two_stream else SEQ
+  assert outputs["logits"].shape == hf_logits.shape == (batch, expected_length, config.vocab_size)
+  logit_diff = np.abs(np.asarray(outputs["logits"]) - hf_logits).max()
+  # Memory = last mem_len of [old memory, first reuse_len positions]; without old memory only reuse_len exist.
+  assert outputs["new_mems"].shape == hf_mems.shape == (batch, config.n_layer, MEM_LEN if with_mems else 6,
+                                                        config.d_model)
+  mems_diff = np.abs(np.asarray(outputs["new_mems"]) - hf_mems).max()
+  print(f"{case}: max |logits - HF| = {logit_diff:.2e}, max |new_mems - HF| = {mems_diff:.2e}")
+  assert logit_diff < TOLERANCE and mems_diff < TOLERANCE
+
+
+def test_memory_changes_logits(params):
+  """Guards the parity test against memory being ignored on both sides."""
+  rng = np.random.default_rng(3)
+  features, model = plm_features(rng, 2), XLNetLMHeadModel(SMALL)
+  with_memory = model.apply({"params": params}, features, mems=random_mems(rng, 2))["logits"]
+  without = model.apply({"params": params}, features)["logits"]
+  assert np.abs(np.asarray(with_memory) - np.asarray(without)).max() > 1e-2
+
+
+def test_mapping_round_trips_both_ways(params):
+  rules = mapping.rules(SMALL)
+  flat = flatten_params(params)
+  shapes = {path: value.shape for path, value in flat.items()}
+  back = flatten_params(from_hf(to_hf(params, rules), rules, shapes))
+  assert back.keys() == flat.keys()
+  for path, value in flat.items():
+    np.testing.assert_array_equal(back[path], value, err_msg=path)
+
+  torch.manual_seed(0)  # a freshly initialised HF model -> Flax -> HF
+  fresh = transformers.XLNetLMHeadModel(transformers.XLNetConfig(**{
+      k: v for k, v in mapping.hf_config(SMALL).items() if k != "model_type"}))
+  hf_state = {key: value.detach().numpy() for key, value in fresh.state_dict().items()}
+  again = to_hf(from_hf(hf_state, rules, shapes), rules)
+  assert set(again) == set(hf_state) - {"lm_loss.weight"}
+  for key, value in again.items():
+    np.testing.assert_array_equal(value, hf_state[key], err_msg=key)
+
+
+def test_config_round_trips_through_hf():
+  config = dataclasses.replace(SMALL, bi_data=True, clamp_len=5, dropout_rate=0.1)
+  assert mapping.config_from_hf(mapping.hf_config(config)) == config
+
+
+def test_query_stream_cannot_see_its_own_token(params):
+  """Changing the token at a target leaves that target's logits unchanged, but a target later in the
+  factorisation order (which may see it) does change."""
+  rng = np.random.default_rng(4)
+  features = plm_features(rng, 2)
+  positions = features["target_mapping"][0].argmax(-1)
+  # A target's place in the factorisation order = how many targets it may see.
+  seen = (1 - features["perm_mask"][0][np.ix_(positions, positions)]).sum(-1)
+  first, last = int(np.argmin(seen)), int(np.argmax(seen))
+  changed = {**features, "input_ids": features["input_ids"].copy()}
+  changed["input_ids"][0, positions[first]] = (features["input_ids"][0, positions[first]] + 1) % SMALL.vocab_size
+  model = XLNetLMHeadModel(SMALL)
+  before = np.asarray(model.apply({"params": params}, features)["logits"])
+  after = np.asarray(model.apply({"params": params}, changed)["logits"])
+  np.testing.assert_allclose(after[0, first], before[0, first], atol=1e-6)
+  assert np.abs(after[0, last] - before[0, last]).max() > 1e-3
+
+
+def test_shared_biases_have_no_hf_counterpart():
+  config = dataclasses.replace(SMALL, untie_r=False)
+  variables = XLNetLMHeadModel(config).init(jax.random.PRNGKey(0), plm_features(np.random.default_rng(0), 2))
+  params = nn.unbox(variables["params"])
+  assert params["r_w_bias"].shape == (config.n_head, config.d_head)
+  assert "r_w_bias" not in params["layer_0"]["rel_attn"]
+  with pytest.raises(ValueError, match="untie_r"):
+    mapping.rules(config)
+
+
+def test_bi_data_needs_an_even_batch(params):
+  with pytest.raises(ValueError, match="even batch"):
+    XLNetLMHeadModel(dataclasses.replace(SMALL, bi_data=True)).apply(
+        {"params": params}, plm_features(np.random.default_rng(0), 3))
+
+
+def test_family_carries_memory_and_scores_targets(params):
+  family = XLNetFamily(SMALL)
+  rng = np.random.default_rng(5)
+  batch = plm_features(rng, 2)
+  batch["target_ids"] = rng.integers(0, SMALL.vocab_size, (2, NUM_PREDICT)).astype(np.int32)
+  batch["target_weights"] = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], np.float32)
+  shapes = family.feature_shapes(2, {"input_ids": SEQ, "target_ids": NUM_PREDICT})
+  assert {k: (v.shape, v.dtype) for k, v in shapes.items()} == {k: (v.shape, v.dtype) for k, v in batch.items()}
+
+  carry = family.initial_carry(2)
+  assert carry["mems"].shape == (2, SMALL.n_layer, MEM_LEN, SMALL.d_model)
+  assert len(family.carry_axes()["mems"]) == carry["mems"].ndim
+  model = family.make_model()
+  _, first_carry = family.forward(model, params, batch, carry, rngs={}, deterministic=True)
+  outputs, carry = family.forward(model, params, batch, first_carry, rngs={}, deterministic=True)
+  # The second step attends to the first step's states, as the model does when given them.
+  # Memory = last mem_len of [8 zero states, this segment's first reuse_len = 6 states].
+  first_mems = np.asarray(first_carry["mems"])
+  assert not first_mems[:, :, :2].any() and np.abs(first_mems[:, :, 2:]).min(axis=-1).all()
+  reference = XLNetLMHeadModel(SMALL).apply({"params": params}, batch, mems=first_carry["mems"])
+  np.testing.assert_allclose(outputs["logits"], reference["logits"], atol=1e-5)
+  np.testing.assert_allclose(carry["mems"], reference["new_mems"], atol=1e-5)
+
+  loss, metrics = family.loss_and_metrics(outputs, batch)
+  logits = np.asarray(outputs["logits"], np.float64)
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  picked = np.take_along_axis(log_probs, batch["target_ids"][..., None], -1)[..., 0]
+  expected = -(picked * batch["target_weights"]).sum() / batch["target_weights"].sum()
+  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  assert set(metrics) == {"plm_loss", "plm_accuracy"}

@@ -9,7 +9,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the demo is for any laptop; TPU runs use pretrain.train
 
-DEFAULT_RUNS = ("bert_tiny_demo",)
+DEFAULT_RUNS = ("bert_tiny_demo", "xlnet_tiny_demo")
 
 
 def main(argv=None) -> None:

@@ -31,16 +31,16 @@ def random_words(rng, count):
   return sum(([int(rng.integers(START, CONT))] + rng.integers(CONT, VOCAB, k - 1).tolist() for k in pieces), [])
 
 
-def sentence(rng):
-  words = random_words(rng, rng.integers(2, 7))
-  words[0] = int(rng.integers(FIRST, START))
-  return words
+def random_sentence(rng):
+  pieces = random_words(rng, rng.integers(2, 7))
+  pieces[0] = int(rng.integers(FIRST, START))
+  return pieces
 
 
 def corpus(num_docs, seed):
   """List of documents, each a list of sentences of token ids."""
   rng = np.random.default_rng(seed)
-  return [[sentence(rng) for _ in range(rng.integers(1, 13))] for _ in range(num_docs)]
+  return [[random_sentence(rng) for _ in range(rng.integers(1, 13))] for _ in range(num_docs)]
 
 
 def documents_dataset(docs):
@@ -81,7 +81,7 @@ def runs(mask):
 
 @pytest.fixture(scope="module")
 def forward_docs():
-  return corpus(1200, seed=1)
+  return corpus(1000, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def forward_windows(forward_docs):
 def examples(forward_docs):
   """Forward then reversed feature examples (one pipeline: the direction travels with each window)."""
   num_forward = len(list(windows(forward_docs).as_numpy_iterator()))
-  both = windows(forward_docs).concatenate(windows(corpus(1200, seed=2), reverse=True))
+  both = windows(forward_docs).concatenate(windows(corpus(1000, seed=2), reverse=True))
   return [(example, k >= num_forward) for k, example in enumerate(features(both))]
 
 
@@ -184,7 +184,7 @@ def one_piece_words_left(tokens, masked):
 
 
 def test_targets_permutation_and_whole_words(examples):
-  assert len(examples) >= 2500
+  assert len(examples) >= 2000
   split_words = 0
   for example, reversed_ in examples:
     targets = check_targets(example, PREDICT, REUSE)
@@ -198,7 +198,7 @@ def test_targets_permutation_and_whole_words(examples):
         # Exactness beats whole words only when no one-piece word was left to fill the last gap.
         assert one_piece_words_left(tokens, part_masked) == 0, "a word was split though whole words could fill"
         split_words += 1
-  assert split_words < 0.05 * len(examples)
+  assert split_words < 0.05 * len(examples)  # rare: about 1 part in 3000 with this corpus
 
 
 def test_factorization_order_is_blockwise_with_one_shuffle_per_part():

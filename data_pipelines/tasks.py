@@ -126,10 +126,10 @@ def text_task(objective: str, train_files: Optional[str] = None, validation_file
   """The task name for an objective over TRAIN_FILES (None: the demo corpus and its vocabulary)."""
   if train_files is None and vocab_model is None and validation_files is None:
     return f"demo_{objective}"
-  demo = demo_corpus.ensure_demo_corpus() if vocab_model is None else {}
+  demo = demo_corpus.ensure_demo_corpus() if train_files is None or vocab_model is None else {}
   splits = {"train": train_files or demo["train"]}
-  if validation_files:
-    splits["validation"] = validation_files
+  if validation_files or train_files is None:  # the demo text comes with its held-out split
+    splits["validation"] = validation_files or demo["validation"]
   source = sources.TextDocumentSource(splits)
   return register_task(f"text_{objective}", source, objective, vocab_model or demo["vocab_model"])
 

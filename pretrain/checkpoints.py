@@ -2,12 +2,14 @@
 
 Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/process_<i>, run_config}. The data
 iterator is a tf.data iterator saved with tf.train.Checkpoint, one file per process, so a resumed
-run continues each host's data stream exactly where it stopped.
+run continues each host's data stream exactly where it stopped. A weights-only checkpoint (from
+`pretrain.import_hf`) has state = {params} and no data_iterator.
 """
 import dataclasses
 from typing import Any, Optional
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow as tf
 from etils import epath
@@ -75,3 +77,26 @@ def read_run_config(model_dir: str, step: Optional[int] = None) -> tuple:
     raise ValueError(f"step {step} not in {checkpoint_dir(model_dir)} (available: {sorted(steps)})")
   config = manager.restore(step, args=ocp.args.Composite(run_config=ocp.args.JsonRestore())).run_config
   return step, config
+
+
+def has_data_iterator(model_dir: str, step: int) -> bool:
+  """False for a weights-only checkpoint (written by `pretrain.import_hf`)."""
+  return (checkpoint_dir(model_dir) / str(step) / "data_iterator").exists()
+
+
+def restore_params(model_dir: str, step: int, abstract_params=None):
+  """Only the params of a checkpoint, whatever mesh wrote it.
+
+  With `abstract_params` (ShapeDtypeStructs with shardings) they land sharded like those; without,
+  as numpy arrays in host memory (export, fine-tuning), needing no mesh and no particular devices.
+  """
+  path = checkpoint_dir(model_dir) / str(step) / "state"
+  handler = ocp.PyTreeCheckpointHandler()
+  if abstract_params is None:
+    abstract_params = handler.metadata(path).tree["params"]
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), abstract_params)
+  else:
+    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+  restored = handler.restore(path, args=ocp.args.PyTreeRestore(
+      item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
+  return restored["params"]

@@ -95,6 +95,11 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
+def batch_shards(mesh: Mesh) -> int:
+  """How many parts the batch is split into: the product of the batch axes' sizes."""
+  return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 

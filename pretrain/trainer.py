@@ -90,8 +90,10 @@ def setup_for_run(family: Family, task_feature_lengths: Mapping[str, int], batch
 
   pretrain.plan compiles this same Setup for a TPU topology, so its figures are the training step's.
   """
-  if batch_size % microbatches:
-    raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches}")
+  shards = partitioning.batch_shards(mesh)
+  if batch_size % (microbatches * shards):
+    raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches} × the mesh's "
+                     f"{shards} batch shards")
   family = family.with_vocab_size(vocab_size)
   return build_setup(family, family.feature_shapes(batch_size, task_feature_lengths), optimizer, schedule, mesh,
                      partitioning.axis_rules(), microbatches)
@@ -112,13 +114,28 @@ def _loss_and_grads(setup: Setup, params, batch, carry, rng):
   return loss, metrics, new_carry, grads
 
 
+def _split_microbatches(x, n: int, shards: int):
+  """[B, ...] -> [n, B / n, ...]: microbatch k is the k-th of n equal runs of rows of every batch shard.
+
+  Every device keeps its own rows, so the scan runs over an unsharded axis and nothing moves. (Cutting
+  the batch into n contiguous blocks puts each microbatch on a few devices; the SPMD partitioner then
+  computes each device's whole local batch in every iteration, n times the work and more memory.)
+  """
+  return x.reshape((shards, n, -1) + x.shape[1:]).swapaxes(0, 1).reshape((n, -1) + x.shape[1:])
+
+
+def _merge_microbatches(x, shards: int):
+  """The inverse of _split_microbatches."""
+  return x.reshape((x.shape[0], shards, -1) + x.shape[2:]).swapaxes(0, 1).reshape((-1,) + x.shape[2:])
+
+
 def _accumulated_loss_and_grads(setup: Setup, params, batch, carry, rng):
   """Gradient accumulation: the batch is split into `microbatches` slices scanned in sequence.
 
   Each slice keeps its own rows' carry, so memory-carrying families see the same rows every step.
   """
-  n = setup.microbatches
-  split = lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:])
+  n, shards = setup.microbatches, partitioning.batch_shards(setup.mesh)
+  split = lambda x: _split_microbatches(x, n, shards)
   micro_batches = jax.tree.map(split, batch)
   micro_carry = jax.tree.map(split, carry)
 
@@ -130,8 +147,8 @@ def _accumulated_loss_and_grads(setup: Setup, params, batch, carry, rng):
 
   zeros = jax.tree.map(jnp.zeros_like, params)
   grad_sum, (losses, metrics, new_carry) = jax.lax.scan(body, zeros, (micro_batches, micro_carry, jnp.arange(n)))
-  merge = lambda x: x.reshape((-1,) + x.shape[2:])
-  return (losses.mean(), jax.tree.map(jnp.mean, metrics), jax.tree.map(merge, new_carry),
+  return (losses.mean(), jax.tree.map(jnp.mean, metrics),
+          jax.tree.map(lambda x: _merge_microbatches(x, shards), new_carry),
           jax.tree.map(lambda g: g / n, grad_sum))
 
 
@@ -182,6 +199,24 @@ def _mean_metrics(rows):
   return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
+def _keep_vocabulary(kept: epath.Path, run_vocab: str) -> None:
+  """MODEL_DIR keeps the vocabulary its checkpoints were trained with; a run must not switch it."""
+  model = epath.Path(run_vocab).read_bytes()
+  if kept.exists():
+    if kept.read_bytes() != model:
+      raise ValueError(f"VOCAB_MODEL={run_vocab!r} differs from {kept}, the vocabulary this MODEL_DIR was "
+                       "trained with; use that one or a new MODEL_DIR")
+  elif jax.process_index() == 0:
+    kept.write_bytes(model)
+
+
+def _state_from_weights(setup: Setup, params, seed: int) -> TrainState:
+  """A fresh state around given params: step 0, new optimizer state, rng and carry; data from the start."""
+  fresh = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed))
+  opt_state = jax.jit(setup.optimizer.init, out_shardings=setup.state_shardings.opt_state)(params)
+  return fresh.replace(params=params, opt_state=opt_state)
+
+
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
@@ -197,7 +232,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   batch_shapes = family.feature_shapes(batch_size, task_feature_lengths)
   data = input_pipeline.InputPipeline(mixture_or_task_name, task_feature_lengths, batch_size,
                                       {k: (s.shape[1:], s.dtype) for k, s in batch_shapes.items()},
-                                      batch_shards=int(np.prod([mesh.shape[a] for a in partitioning.BATCH_AXES])),
+                                      batch_shards=partitioning.batch_shards(mesh),
                                       seed=seed, num_data_shards=family.data_shards(batch_size) or data_shards,
                                       reverse_odd_rows=family.reverse_odd_rows())
   setup = setup_for_run(family, task_feature_lengths, batch_size, mesh, optimizer, schedule, microbatches,
@@ -206,15 +241,18 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
 
   model_path = epath.Path(model_dir)
   model_path.mkdir(parents=True, exist_ok=True)
-  if jax.process_index() == 0 and not (model_path / "vocab.model").exists():
-    (model_path / "vocab.model").write_bytes(epath.Path(data.vocabulary.sentencepiece_model_file).read_bytes())
+  _keep_vocabulary(model_path / "vocab.model", data.vocabulary.sentencepiece_model_file)
   manager = checkpoints.make_manager(model_dir, keep_checkpoints)
   train_iterator = data.iterator("train")
   writer = MetricsWriter(model_dir, train_steps, start_step=0)
 
   with mesh, nn.logical_axis_rules(setup.rules):
     latest = manager.latest_step()
-    if latest is not None:
+    if latest is not None and not checkpoints.has_data_iterator(model_dir, latest):  # from pretrain.import_hf
+      params = checkpoints.restore_params(model_dir, latest, setup.sharded_abstract_state().params)
+      state = _state_from_weights(setup, params, seed)
+      writer.message(f"starting from the weights in {checkpoints.checkpoint_dir(model_dir)}: fresh optimizer, step 0")
+    elif latest is not None:
       state = checkpoints.restore(manager, latest, setup.sharded_abstract_state(), train_iterator)
       writer = MetricsWriter(model_dir, train_steps, start_step=latest)
       writer.message(f"resumed from step {latest} in {checkpoints.checkpoint_dir(model_dir)}")

@@ -5,7 +5,8 @@ Pure TensorFlow over one example's token ids; randomness comes from an explicit 
 Choosing positions: maskable tokens are grouped into units (whole words, or single pieces), the
 unit sequence is cut into consecutive n-grams with n ~ p(n) ∝ 1/n (n = 1 for BERT, up to 3 for
 ALBERT), and n-grams are taken in random order while they fit into the prediction budget
-(round(length × rate), capped at max_predictions); single units then top the budget up.
+(round(length × rate), capped at max_predictions); then units in random order top the budget up,
+skipping any that no longer fit (as the reference skips whole words that overflow).
 """
 import seqio
 import tensorflow as tf
@@ -29,6 +30,22 @@ def _take_while_fits(order: tf.Tensor, sizes: tf.Tensor, eligible: tf.Tensor, bu
   sizes_in_order = tf.gather(tf.where(eligible, sizes, 0), order)
   taken_in_order = (tf.cumsum(sizes_in_order) <= budget) & tf.gather(eligible, order)
   return tf.scatter_nd(order[:, None], taken_in_order, tf.shape(sizes))
+
+
+def _take_each_that_fits(order: tf.Tensor, sizes: tf.Tensor, eligible: tf.Tensor, budget: tf.Tensor) -> tf.Tensor:
+  """bool over items: walking `order`, take each eligible item that still fits, skipping the rest.
+
+  Unlike a prefix, one long word early in the order cannot starve the budget. Sequential, but it
+  stops as soon as the budget is full, which with one-piece units comes after `budget` steps.
+  """
+  def take_next(k, remaining, taken):
+    item = order[k]
+    take = eligible[item] & (sizes[item] <= remaining)
+    return k + 1, remaining - tf.where(take, sizes[item], 0), tf.tensor_scatter_nd_update(taken, [[item]], [take])
+
+  _, _, taken = tf.while_loop(lambda k, remaining, _: (k < tf.size(order)) & (remaining > 0), take_next,
+                              (tf.constant(0), budget, tf.zeros_like(eligible)))
+  return taken
 
 
 def choose_masked_positions(maskable, word_start, num_to_predict, seed, *, max_ngram: int = 1,
@@ -56,7 +73,7 @@ def choose_masked_positions(maskable, word_start, num_to_predict, seed, *, max_n
   # Top up with single units that still fit: the last n-gram rarely fills the budget exactly.
   remaining = num_to_predict - tf.reduce_sum(tf.where(unit_taken, unit_sizes, 0))
   unit_order = tf.argsort(tf.random.stateless_uniform(tf.shape(unit_sizes), seeds[2]))
-  unit_taken |= _take_while_fits(unit_order, unit_sizes, tf.logical_not(unit_taken), remaining)
+  unit_taken |= _take_each_that_fits(unit_order, unit_sizes, tf.logical_not(unit_taken), remaining)
 
   return tf.gather(tf.concat([unit_taken, [False]], 0), tf.where(unit >= 0, unit, num_units))
 

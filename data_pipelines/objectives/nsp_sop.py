@@ -5,9 +5,10 @@ until it reaches the target length (the maximum, or with probability short_seq_p
 shorter one), the chunk is split at a random sentence boundary into A and B, and
 
 - NSP: with probability 0.5 (always for a one-sentence chunk) B is replaced by sentences from a
-  random other document (label 1) and the unused sentences are put back; else label 0. Unlike the
-  reference, a one-sentence chunk left at a document's end is skipped rather than made a forced
-  negative, so labels stay balanced (the reference gives ~70% negatives on short documents).
+  random other document (label 1; never the document itself or a copy of it) and the unused
+  sentences are put back; else label 0. Unlike the reference, a one-sentence chunk left at a
+  document's end is skipped rather than made a forced negative, so labels stay balanced (the
+  reference gives ~70% negatives on short documents).
 - SOP: A and B are swapped with probability 0.5 (label 1). A one-sentence chunk has no order to
   predict and is skipped; B never comes from another document.
 
@@ -35,47 +36,53 @@ def _random_continuation(lengths, target_tokens, seed):
   return start, tf.clip_by_value(end, start + 1, count)
 
 
-def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_prob: float, mode: str):
+def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_prob: float, mode: str,
+               other_is_distinct=True):
   """Sentence ranges of every pair one document yields.
 
   lengths: int32 [num_sentences] of this document; other_lengths: of a random other document
-  (NSP only). Returns int32 [num_pairs, 7]: a_start, a_end, b_from_other, b_start, b_end, label,
-  and a per-pair seed component.
+  (NSP only). other_is_distinct: False when the random pick is this very document (or a copy):
+  then no random-next pair is made, since its B would be a true continuation labelled random.
+  Returns int32 [num_pairs, 7]: a_start, a_end, b_from_other, b_start, b_end, label, and a
+  per-pair seed component.
   """
   num_sentences = tf.size(lengths)
   seeds = tf.random.experimental.stateless_split(seed, 2)
   short = tf.random.stateless_uniform([], seeds[0]) < short_seq_prob
   target = tf.where(short, _randint(seeds[1], 2, max_num_tokens), max_num_tokens)
 
-  def body(i, chunk_start, chunk_tokens, pairs):
+  def body(step, i, chunk_start, chunk_tokens, pairs):
     chunk_tokens += lengths[i]
     closes = (i == num_sentences - 1) | (chunk_tokens >= target)
-    step_seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(seed, i), 4)
+    # Seeded by the loop step, not by i: NSP revisits sentences it put back, and a revisit must
+    # draw afresh (reusing i's coin made every later pair of a random-next chunk random-next too).
+    step_seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(seed, step), 4)
     n = i - chunk_start + 1
     a_end = chunk_start + tf.where(n >= 2, _randint(step_seeds[0], 1, tf.maximum(n - 1, 1)), 1)
     coin = tf.random.stateless_uniform([], step_seeds[1]) < 0.5
     if mode == NSP:
-      random_next = (n == 1) | coin
+      random_next = (n == 1) | (coin & other_is_distinct)
       a_tokens = tf.reduce_sum(lengths[chunk_start:a_end])
       other_start, other_end = _random_continuation(other_lengths, target - a_tokens, step_seeds[2])
-      pair = tf.where(random_next, [chunk_start, a_end, 1, other_start, other_end, 1, i],
-                      [chunk_start, a_end, 0, a_end, i + 1, 0, i])
-      # A lone leftover sentence at the document's end could only be a forced negative: skip it,
-      # which keeps labels balanced on corpora of short documents.
-      emit = closes & ((n >= 2) | (i < num_sentences - 1))
+      pair = tf.where(random_next, [chunk_start, a_end, 1, other_start, other_end, 1, step],
+                      [chunk_start, a_end, 0, a_end, i + 1, 0, step])
+      # A lone sentence can only make a forced random-next pair: skip it at the document's end,
+      # which keeps labels balanced on corpora of short documents, and when there is no other document.
+      emit = closes & ((n >= 2) | ((i < num_sentences - 1) & other_is_distinct))
       next_i = tf.where(random_next, a_end, i + 1)  # unused sentences go back to the pool
     else:
-      pair = tf.where(coin, [a_end, i + 1, 0, chunk_start, a_end, 1, i], [chunk_start, a_end, 0, a_end, i + 1, 0, i])
+      pair = tf.where(coin, [a_end, i + 1, 0, chunk_start, a_end, 1, step],
+                      [chunk_start, a_end, 0, a_end, i + 1, 0, step])
       emit = closes & (n >= 2)
       next_i = i + 1
     pairs = tf.cond(emit, lambda: tf.concat([pairs, pair[None]], 0), lambda: pairs)
-    return (tf.where(closes, next_i, i + 1), tf.where(closes, next_i, chunk_start),
+    return (step + 1, tf.where(closes, next_i, i + 1), tf.where(closes, next_i, chunk_start),
             tf.where(closes, 0, chunk_tokens), pairs)
 
-  _, _, _, pairs = tf.while_loop(
-      lambda i, *_: i < num_sentences, body,
-      (tf.constant(0), tf.constant(0), tf.constant(0), tf.zeros([0, 7], tf.int32)),
-      shape_invariants=(tf.TensorShape([]),) * 3 + (tf.TensorShape([None, 7]),))
+  *_, pairs = tf.while_loop(
+      lambda step, i, *_: i < num_sentences, body,
+      (tf.constant(0), tf.constant(0), tf.constant(0), tf.constant(0), tf.zeros([0, 7], tf.int32)),
+      shape_invariants=(tf.TensorShape([]),) * 4 + (tf.TensorShape([None, 7]),))
   return pairs
 
 
@@ -95,10 +102,18 @@ def truncate_pair(a, b, max_num_tokens: int, seed):
   return a[front_a:len_a - (cut_a - front_a)], b[front_b:len_b - (cut_b - front_b)]
 
 
+def _same_document(a: tf.RaggedTensor, b: tf.RaggedTensor) -> tf.Tensor:
+  """Equal content: a shuffled stream sometimes hands a document itself (or a duplicate) back."""
+  same_shape = (tf.size(a.values) == tf.size(b.values)) & (tf.size(a.row_splits) == tf.size(b.row_splits))
+  return tf.cond(same_shape, lambda: tf.reduce_all(a.values == b.values) & tf.reduce_all(a.row_splits == b.row_splits),
+                 lambda: tf.constant(False))
+
+
 @seqio.map_over_dataset(num_seeds=1)
 def _attach_plan(example, seed, **plan_kwargs):
-  plan = plan_pairs(tf.cast(example["sentences"].row_lengths(), tf.int32),
-                    tf.cast(example["other"].row_lengths(), tf.int32), seed, **plan_kwargs)
+  sentences, other = example["sentences"], example["other"]
+  plan = plan_pairs(tf.cast(sentences.row_lengths(), tf.int32), tf.cast(other.row_lengths(), tf.int32), seed,
+                    other_is_distinct=tf.logical_not(_same_document(sentences, other)), **plan_kwargs)
   return {**example, "plan": plan, "seed": seed}
 
 
@@ -115,9 +130,12 @@ def sentence_pairs(dataset: tf.data.Dataset, sequence_length, *, mode: str, shor
   # A one-sentence document can only yield a random-next pair (NSP) or nothing (SOP): skip it, or
   # corpora of short documents would make NSP labels mostly 1.
   dataset = dataset.filter(lambda ex: ex["sentences"].nrows() >= 2)
-  # A fixed shuffle seed keeps the pipeline deterministic; per-example randomness comes from seqio seeds.
-  others = dataset.shuffle(random_document_buffer, seed=17).map(lambda ex: ex["sentences"])
-  documents = tf.data.Dataset.zip(dataset, others).map(lambda ex, other: {"sentences": ex["sentences"], "other": other})
+  if mode == NSP:
+    # A fixed shuffle seed keeps the pipeline deterministic; per-example randomness comes from seqio seeds.
+    others = dataset.shuffle(random_document_buffer, seed=17).map(lambda ex: ex["sentences"])
+    documents = tf.data.Dataset.zip(dataset, others).map(lambda ex, other: {"sentences": ex["sentences"], "other": other})
+  else:  # SOP never looks at another document: don't read and tokenize the stream twice
+    documents = dataset.map(lambda ex: {"sentences": ex["sentences"], "other": ex["sentences"]})
   documents = _attach_plan(documents, max_num_tokens=max_num_tokens, short_seq_prob=short_seq_prob, mode=mode)
 
   def pairs_of(example):

@@ -1,0 +1,127 @@
+"""Import a HuggingFace model to continue pretraining it with this framework.
+
+  python -m pretrain.import_hf --hf_dir=DIR --model_dir=OUT [--overwrite]
+
+DIR holds one of the registry's classes (BertForPreTraining, AlbertForPreTraining, XLNetLMHeadModel,
+BartForConditionalGeneration): config.json, model.safetensors or pytorch_model.bin and, if the
+tokenizer is sentencepiece-based, its model (tokenizer.model, spiece.model or sentencepiece.bpe.model).
+
+OUT gets a weights-only checkpoint at step 0 (params and run_config; no optimizer state, carry or
+data position, which depend on the run's optimizer and batch), OUT/vocab.model and OUT/import.gin with
+the model's architecture. Training in OUT starts from these weights with a fresh optimizer at step 0:
+
+  python -m pretrain.train --gin_file=<a run file of the family> --gin_file=OUT/import.gin \\
+      --gin.MODEL_DIR="'OUT'" --gin.TRAIN_FILES="'/data/*.txt'"
+"""
+import dataclasses
+import io
+import json
+import sys
+from typing import Dict, Optional
+
+import numpy as np
+import orbax.checkpoint as ocp
+import sentencepiece as spm
+from absl import app, flags, logging
+from etils import epath
+
+from data_pipelines import vocab as vocab_lib
+from pretrain import checkpoints, cli, export, registry, trainer
+from pretrain.hf_mappings import common
+
+SPM_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+# Config fields a pretraining run chooses (gin macros of the run files), not properties of the weights.
+RUN_CHOICES = ("dtype", "remat_policy", "dropout_rate", "attention_dropout", "activation_dropout", "mem_len",
+               "reuse_len", "bi_data", "clamp_len")
+
+
+def read_hf_weights(hf_dir: epath.Path) -> Dict[str, np.ndarray]:
+  """The state dict as float32 numpy arrays, from model.safetensors or pytorch_model.bin."""
+  import torch
+  from safetensors.torch import load
+
+  if (hf_dir / "model.safetensors").exists():
+    state = load((hf_dir / "model.safetensors").read_bytes())
+  elif (hf_dir / "pytorch_model.bin").exists():
+    state = torch.load(io.BytesIO((hf_dir / "pytorch_model.bin").read_bytes()), map_location="cpu", weights_only=True)
+  else:
+    raise FileNotFoundError(f"--hf_dir={hf_dir}: neither model.safetensors nor pytorch_model.bin")
+  return {key: value.float().numpy() for key, value in state.items()}
+
+
+def gin_bindings(config, vocab_model: Optional[str]) -> str:
+  """import.gin: the model's architecture for any run file of its family, and its vocabulary."""
+  package, name = type(config).__module__.rsplit(".", 1)  # e.g. models, bert
+  lines = ["# Written by pretrain.import_hf: the imported model's architecture. Add after the family's run file.",
+           "from __gin__ import dynamic_registration", f"from {package} import {name}", ""]
+  lines += [f"{name}.{type(config).__name__}.{field.name} = {getattr(config, field.name)!r}"
+            for field in dataclasses.fields(config) if field.name not in RUN_CHOICES]
+  if vocab_model:
+    lines.append(f"VOCAB_MODEL = {vocab_model!r}  # for your own TRAIN_FILES")
+  return "\n".join(lines) + "\n"
+
+
+def check_vocabulary(path: str, vocab_size: int) -> Optional[str]:
+  """Fails if the vocabulary does not fit the embedding; returns why a run could not use it, if so."""
+  pieces = spm.SentencePieceProcessor(model_file=path).get_piece_size()
+  if pieces > vocab_size:
+    raise ValueError(f"the sentencepiece model has {pieces} pieces, more than the model's vocab_size={vocab_size}")
+  try:
+    vocab_lib.load_vocabulary(path)
+  except ValueError as e:  # e.g. a HuggingFace ALBERT spiece.model: other special ids than ours
+    return str(e)
+  return None
+
+
+def import_hf(hf_dir: str, model_dir: str, overwrite: bool = False) -> dict:
+  """Writes the weights-only checkpoint; returns {family, model_dir, vocab_model, vocab_warning}."""
+  out = export.check_output_dir(model_dir, overwrite)
+  hf_path = epath.Path(hf_dir)
+  if not (hf_path / "config.json").exists():
+    raise FileNotFoundError(f"--hf_dir={hf_dir}: no config.json")
+  hf_config = json.loads((hf_path / "config.json").read_text())
+  spec = registry.from_hf_config(hf_config)
+  config = spec.mapping.config_from_hf(hf_config)
+  params = common.from_hf(read_hf_weights(hf_path), spec.mapping.rules(config), export.param_shapes(spec, config))
+  spm_path = next((hf_path / name for name in SPM_FILES if (hf_path / name).exists()), None)
+  run_config = {**trainer.run_config(spec.family_cls(config=config), None, {}), "imported_from": str(hf_dir)}
+  vocab_model, vocab_warning = (str(out / "vocab.model") if spm_path else None), None
+  with export.staged_directory(out) as staging:
+    if spm_path:
+      (epath.Path(staging) / "vocab.model").write_bytes(spm_path.read_bytes())
+      vocab_warning = check_vocabulary(str(epath.Path(staging) / "vocab.model"), config.vocab_size)
+    (epath.Path(staging) / "import.gin").write_text(gin_bindings(config, vocab_model))
+    manager = checkpoints.make_manager(staging, max_to_keep=1, async_save=False)
+    manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
+                                            run_config=ocp.args.JsonSave(run_config)))
+    manager.wait_until_finished()
+    manager.close()
+  return {"family": spec.name, "model_dir": str(out), "vocab_model": vocab_model, "vocab_warning": vocab_warning}
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    cli.fail(ValueError(f"unknown arguments {argv[1:]}"), "pretrain.import_hf")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
+  try:
+    if not FLAGS.hf_dir or not FLAGS.model_dir:
+      raise ValueError("--hf_dir and --model_dir are required")
+    summary = import_hf(FLAGS.hf_dir, FLAGS.model_dir, FLAGS.overwrite)
+  except cli.USER_ERRORS as e:
+    cli.fail(e, "pretrain.import_hf")
+  out = summary["model_dir"]
+  vocab = (f"vocabulary {summary['vocab_model']}" if summary["vocab_model"] else
+           "no sentencepiece model found: give the run a VOCAB_MODEL of the same pieces")
+  if summary["vocab_warning"]:
+    print(f"warning: {summary['vocab_warning']}", file=sys.stderr)
+  print(f"imported {summary['family']} into {out} (step 0, weights only; {vocab}). Continue pretraining with\n"
+        f"  python -m pretrain.train --gin_file=<a {summary['family']} run file> --gin_file={out}/import.gin "
+        f"--gin.MODEL_DIR=\"'{out}'\"")
+
+
+if __name__ == "__main__":
+  FLAGS = flags.FLAGS
+  flags.DEFINE_string("hf_dir", None, "HuggingFace model directory (config.json + weights).")
+  flags.DEFINE_string("model_dir", None, "New training directory (MODEL_DIR) to write.")
+  flags.DEFINE_bool("overwrite", False, "Replace a non-empty --model_dir.")
+  app.run(main)

@@ -1,0 +1,241 @@
+"""Export to HuggingFace and import back: a trained checkpoint becomes a transformers model and
+tokenizer that agree with ours, the round trip is bit-exact, training continues from imported
+weights, and bad input fails with one line and leaves no output behind."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gin
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from pretrain import checkpoints, export, import_hf, registry
+from pretrain.hf_mappings import bart as bart_mapping
+from pretrain.hf_mappings.common import flatten_params
+from test_training import SMALL_BERT
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-4  # fp32 logits of the same weights, our kernels vs torch's
+# Each family's tiny demo run, shrunk to stay fast.
+FAST_RUNS = {
+    "bert": SMALL_BERT,
+    "albert": ["TASK_FEATURE_LENGTHS = {'input_ids': 64, 'masked_positions': 10}", "BATCH_SIZE = 8",
+               "albert.AlbertConfig.hidden_size = 64", "EVAL_EVERY_STEPS = 0"],
+    "xlnet": ["SEQ_LEN = 64", "MEM_LEN = 16", "REUSE_LEN = 32", "NUM_PREDICT = 10", "BATCH_SIZE = 4"],
+    "bart": ["TASK_FEATURE_LENGTHS = {'encoder_input_ids': 64, 'decoder_input_ids': 64}", "BATCH_SIZE = 8",
+             "EVAL_EVERY_STEPS = 0"],
+}
+HF_CLASSES = {"bert": transformers.AutoModelForPreTraining, "albert": transformers.AutoModelForPreTraining,
+              "xlnet": transformers.XLNetLMHeadModel, "bart": transformers.BartForConditionalGeneration}
+TRICKY_TEXTS = ["The [MASK] sat on the [SEP] mat.", "[CLS]x[MASK]y", "  spaces   and\ttabs ", "</s> <pad> <s>",
+                "ﬁne café ½ 日本 🙂", ""]
+
+
+def train(model_dir, family, steps, extra=(), gin_files=()):
+  from pretrain import cli, trainer
+  gin.clear_config()
+  cli.parse_gin([f"gin_configs/runs/{family}_tiny_demo.gin", *gin_files],
+                FAST_RUNS[family] + [f"MODEL_DIR = '{model_dir}'", f"TRAIN_STEPS = {steps}", *extra])
+  return gin.get_configurable(trainer.train)()
+
+
+def run_cli(module, args, env_extra=None):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=600)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+  """BERT trained 2 steps on 8 host devices (mesh data=4, model=2), in its own process."""
+  model_dir = tmp_path_factory.mktemp("bert") / "run"
+  args = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", *[f"--gin_bindings={b}" for b in SMALL_BERT],
+          f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2", "--gin.MESH_SHAPE={'data': 4, 'model': 2}"]
+  result = run_cli("pretrain.train", args, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  assert result.returncode == 0 and "'data': 4" in result.stdout, result.stderr[-2000:]
+  return model_dir
+
+
+def assert_tokenizer_matches(tokenizer, vocabulary, lines, frame):
+  """Bare text gets the seqio ids exactly; by default the family's frame is added around them."""
+  for text in lines + TRICKY_TEXTS:
+    ids = [int(i) for i in vocabulary.encode(text)]
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == ids, text
+    assert tokenizer(text)["input_ids"] == frame(ids), text
+
+
+def hf_features(family, tokenizer, texts):
+  """(our features, transformers kwargs) for equal-length texts, tokenized by the exported tokenizer."""
+  encoded = tokenizer(texts, truncation=True, max_length=12, return_tensors="np")
+  ids = encoded["input_ids"].astype(np.int32)
+  assert (encoded["attention_mask"] == 1).all()  # no padding: every text fills max_length
+  if family == "bart":
+    start = np.full((len(texts), 1), bart_mapping.EOS_ID, np.int32)  # fairseq starts from </s>
+    decoder_ids = np.concatenate([start, ids[:, :-1]], axis=1)
+    return ({"encoder_input_ids": ids, "decoder_input_ids": decoder_ids},
+            {"input_ids": ids, "decoder_input_ids": decoder_ids})
+  segments = encoded["token_type_ids"].astype(np.int32)
+  return {"input_ids": ids, "segment_ids": segments}, {"input_ids": ids, "token_type_ids": segments}
+
+
+def assert_hf_matches_ours(family, model_dir, hf_dir, texts):
+  model, params, vocabulary = export.load_pretrained(str(model_dir))
+  assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(params))
+  tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  hf_model = HF_CLASSES[family].from_pretrained(hf_dir).eval()
+  assert type(hf_model).__name__ == registry.get(family).hf_class
+  features, hf_inputs = hf_features(family, tokenizer, texts)
+  ours = model.apply({"params": params}, features)
+  with torch.no_grad():
+    theirs = hf_model(**{k: torch.from_numpy(v).long() for k, v in hf_inputs.items()})
+  pairs = {"bert": [("mlm_logits", "prediction_logits"), ("nsp_logits", "seq_relationship_logits")],
+           "albert": [("mlm_logits", "prediction_logits"), ("sop_logits", "sop_logits")]}.get(family,
+                                                                                        [("logits", "logits")])
+  diffs = {key: float(np.abs(np.asarray(ours[key]) - getattr(theirs, hf_key).numpy()).max()) for key, hf_key in pairs}
+  print(f"{family}: max |logits - transformers| {diffs}")
+  assert max(diffs.values()) < TOLERANCE
+  return tokenizer, vocabulary
+
+
+def validation_lines(demo_paths, count):
+  lines = [line for line in Path(demo_paths["validation"]).read_text().splitlines() if len(line.split()) > 12]
+  assert len(lines) >= count
+  return lines[:count]
+
+
+def test_bert_trained_on_eight_devices_exports_on_one(bert_dir, tmp_path, demo_paths):
+  assert jax.device_count() == 1
+  summary = export.export(str(bert_dir), str(tmp_path / "hf"))
+  assert summary["step"] == 2 and max(summary["max_logit_diff"].values()) < export.TOLERANCE
+  assert sorted(os.listdir(tmp_path)) == ["hf"]  # the staging directory is gone
+  lines = validation_lines(demo_paths, 300)
+  tokenizer, vocabulary = assert_hf_matches_ours("bert", bert_dir, tmp_path / "hf", [lines[0], lines[1]])
+  cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+  assert (cls, sep, tokenizer.mask_token_id, tokenizer.pad_token_id) == (4, 5, 6, 0)
+  assert_tokenizer_matches(tokenizer, vocabulary, lines, lambda ids: [cls] + ids + [sep])
+  first, second = [int(i) for i in vocabulary.encode("a b")], [int(i) for i in vocabulary.encode("c")]
+  pair = tokenizer("a b", "c")
+  assert pair["input_ids"] == [cls] + first + [sep] + second + [sep]
+  assert pair["token_type_ids"] == [0] * (len(first) + 2) + [1] * (len(second) + 1)
+
+
+def test_bfloat16_export_stores_bf16_close_to_fp32(bert_dir, tmp_path):
+  export.export(str(bert_dir), str(tmp_path / "fp32"))
+  summary = export.export(str(bert_dir), str(tmp_path / "bf16"), dtype="bfloat16")
+  assert max(summary["max_logit_diff"].values()) < export.TOLERANCE  # same bf16 weights on both sides
+  fp32, bf16 = load_file(str(tmp_path / "fp32" / "model.safetensors")), load_file(str(tmp_path / "bf16" / "model.safetensors"))
+  assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
+  for key, value in fp32.items():  # 8 significant bits, rounded to nearest: relative error at most 2^-8
+    np.testing.assert_allclose(bf16[key].float().numpy(), value.numpy(), rtol=2.0 ** -8, atol=0)
+
+
+def test_round_trip_is_bit_exact_and_training_continues_from_imported_weights(bert_dir, tmp_path):
+  export.export(str(bert_dir), str(tmp_path / "hf"))
+  import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
+  export.export(str(tmp_path / "imported"), str(tmp_path / "again"))
+  first, again = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+  assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+  assert (tmp_path / "imported" / "vocab.model").read_bytes() == (bert_dir / "vocab.model").read_bytes()
+
+  # A learning rate of 0 keeps the weights: step 1 must hold exactly the imported (= trained) ones.
+  train(tmp_path / "imported", "bert", 1, ["LEARNING_RATE = 0.0", "VOCAB_MODEL = None"],
+        gin_files=[str(tmp_path / "imported" / "import.gin")])
+  trained = flatten_params(checkpoints.restore_params(str(bert_dir), 2))
+  continued = flatten_params(checkpoints.restore_params(str(tmp_path / "imported"), 1))
+  assert trained.keys() == continued.keys() and all(np.array_equal(trained[k], continued[k]) for k in trained)
+  assert checkpoints.has_data_iterator(str(tmp_path / "imported"), 1)
+
+
+# The pretraining frame around one text (ids: <s>=3 </s>=1 [CLS]=4 [SEP]=5) and the padding side.
+FRAMES = {"albert": (lambda ids: [4] + ids + [5], "right"), "xlnet": (lambda ids: ids + [5, 4], "left"),
+          "bart": (lambda ids: [3] + ids + [1], "right")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(FRAMES))
+def test_family_trains_exports_and_round_trips(family, tmp_path, demo_paths):
+  train(tmp_path / "run", family, 2)
+  export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
+  lines = validation_lines(demo_paths, 100)
+  tokenizer, vocabulary = assert_hf_matches_ours(family, tmp_path / "run", tmp_path / "hf", [lines[0], lines[1]])
+  frame, padding_side = FRAMES[family]
+  assert_tokenizer_matches(tokenizer, vocabulary, lines, frame)
+  assert tokenizer.padding_side == padding_side
+  import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
+  export.export(str(tmp_path / "imported"), str(tmp_path / "again"))
+  first, again = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+  assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_bpe_vocabulary_tokenizes_like_seqio(tmp_path, demo_paths):
+  from data_pipelines import vocab
+  path = vocab.train_sentencepiece([demo_paths["train"]], 1000, str(tmp_path / "bpe"), model_type="bpe")
+  tokenizer = export.hf_tokenizer(Path(path).read_bytes(), registry.get("bert").layout, 512)
+  assert type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
+  assert_tokenizer_matches(tokenizer, vocab.load_vocabulary(path), validation_lines(demo_paths, 300),
+                           lambda ids: [4] + ids + [5])
+
+
+def fake_checkpoint(model_dir, run_config, vocab_model):
+  manager = checkpoints.make_manager(str(model_dir), async_save=False)
+  manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": {"w": np.zeros(2, np.float32)}}),
+                                          run_config=ocp.args.JsonSave(run_config)))
+  manager.wait_until_finished()
+  shutil.copy(vocab_model, Path(model_dir) / "vocab.model")
+  return model_dir
+
+
+BAD_INPUTS = {  # case -> (program, words of its one-line error)
+    "no_checkpoint": ("pretrain.export", "no checkpoint"), "missing_step": ("pretrain.export", "step 7 not in"),
+    "unknown_family": ("pretrain.export", "unknown model family 'gpt2'"),
+    "output_not_empty": ("pretrain.export", "is not empty"),
+    "vocab_too_large": ("pretrain.export", "more than the model's vocab_size=100"),
+    "unsupported_hf_model": ("pretrain.import_hf", "model_type='gpt2'")}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(bert_dir, tmp_path_factory, demo_paths):
+  """Runs every bad input at once, each in its own process: ({case: (stderr, exit code)}, folder, its listing)."""
+  root = tmp_path_factory.mktemp("bad")
+  (root / "empty" / "checkpoints").mkdir(parents=True)
+  (root / "taken").mkdir()
+  (root / "taken" / "keep.txt").write_text("mine")
+  (root / "gpt2_hf").mkdir()
+  (root / "gpt2_hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+  small_bert = {"family": "bert", "model_config": {"vocab_size": 100, "hidden_size": 8, "num_layers": 1,
+                                                    "num_heads": 1, "mlp_dim": 8}, "vocab_model": "vocab.model"}
+  gpt = fake_checkpoint(root / "gpt", {**small_bert, "family": "gpt2"}, demo_paths["vocab_model"])
+  small = fake_checkpoint(root / "small", small_bert, demo_paths["vocab_model"])
+  output = lambda case: f"--output_dir={root / case}"
+  args = {"no_checkpoint": [f"--model_dir={root / 'empty'}", output("no_checkpoint")],
+          "missing_step": [f"--model_dir={bert_dir}", "--step=7", output("missing_step")],
+          "unknown_family": [f"--model_dir={gpt}", output("unknown_family")],
+          "vocab_too_large": [f"--model_dir={small}", output("vocab_too_large")],
+          "output_not_empty": [f"--model_dir={bert_dir}", output("taken")],
+          "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"]}
+  before = sorted(os.listdir(root))
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  processes = {case: subprocess.Popen([sys.executable, "-m", BAD_INPUTS[case][0], *arguments], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for case, arguments in args.items()}
+  results = {case: (p.communicate(timeout=600)[1], p.returncode) for case, p in processes.items()}
+  return results, root, before
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_fails_with_one_line_and_no_output(case, bad_runs):
+  results, root, before = bad_runs
+  stderr, returncode = results[case]
+  program, message = BAD_INPUTS[case]
+  last = stderr.strip().splitlines()[-1]
+  assert returncode != 0 and last.startswith(f"{program}: error:") and message in last, stderr[-1500:]
+  assert sorted(os.listdir(root)) == before  # no output and no staging directory, for any case
+  assert os.listdir(root / "taken") == ["keep.txt"]

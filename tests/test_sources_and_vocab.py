@@ -1,0 +1,158 @@
+"""Text and TFDS sources on bad and unusual input, and the vocabulary trainer's command line."""
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from data_pipelines import sources, tasks, vocab
+
+LENGTHS = {"input_ids": 128, "masked_positions": 20}  # articles below are shorter: label-0 pairs stay whole
+CLS, SEP = 4, 5
+
+
+def documents(pattern, setting="TRAIN_FILES"):
+  source = sources.TextDocumentSource({"train": pattern}, setting=setting)
+  return [d["text"].decode("utf-8") for d in source.get_dataset("train", shuffle=False).as_numpy_iterator()]
+
+
+def examples(task_name):
+  dataset = tasks.get_task_or_mixture(task_name).get_dataset(LENGTHS, split="train", shuffle=False, num_epochs=1, seed=0)
+  return list(dataset.as_numpy_iterator())
+
+
+def test_empty_file_is_skipped_and_reported(tmp_path, capsys):
+  (tmp_path / "a.txt").write_text("First one.\nFirst two.\n\nSecond.\n")
+  (tmp_path / "b_empty.txt").write_bytes(b"")
+  (tmp_path / "c.txt").write_text("Third.\n")
+  assert documents(str(tmp_path / "*.txt")) == ["First one.\nFirst two.", "Second.", "Third."]
+  assert re.search(r"skipping 1 empty file.*b_empty\.txt", capsys.readouterr().out)
+
+
+def test_only_empty_files_is_an_error_naming_the_pattern(tmp_path):
+  (tmp_path / "a.txt").write_bytes(b"")
+  pattern = str(tmp_path / "*.txt")
+  with pytest.raises(ValueError, match=re.escape(f"TRAIN_FILES={pattern!r}: every matching file is empty")):
+    documents(pattern)
+
+
+def test_glob_matching_nothing_names_the_setting_and_pattern(tmp_path, demo_paths):
+  pattern = str(tmp_path / "missing-*.txt")
+  with pytest.raises(FileNotFoundError, match=re.escape(f"VALIDATION_FILES={pattern!r} matches no files")):
+    documents(pattern, setting="VALIDATION_FILES")
+  name = tasks.text_task("bert_mlm_nsp", train_files=pattern, vocab_model=demo_paths["vocab_model"])
+  with pytest.raises(FileNotFoundError, match=re.escape(f"TRAIN_FILES={pattern!r} matches no files")):
+    examples(name)
+
+
+def test_blank_and_whitespace_only_lines_separate_documents(tmp_path):
+  (tmp_path / "a.txt").write_bytes(b"One a.\nOne b.\n\nTwo.\n   \t\nThree.\r\n\r\nFour.\n\n\n\n  Five a.\n Five b. \n \n")
+  docs = documents(str(tmp_path / "a.txt"))
+  assert [[line.strip() for line in d.split("\n")] for d in docs] == [
+      ["One a.", "One b."], ["Two."], ["Three."], ["Four."], ["Five a.", "Five b."]]
+
+
+def test_non_utf8_bytes_become_replacement_characters(tmp_path, demo_paths):
+  (tmp_path / "a.txt").write_bytes(b"Caf\xe9 au lait \xff\xfe is hot.\nIt is served warm.\n")
+  assert documents(str(tmp_path / "a.txt")) == ["Caf\ufffd au lait \ufffd\ufffd is hot.\nIt is served warm."]
+  name = tasks.text_task("bert_mlm_nsp", train_files=str(tmp_path / "a.txt"), vocab_model=demo_paths["vocab_model"])
+  assert len(examples(name)) == 1
+
+
+@pytest.mark.parametrize("objective", ["bert_mlm_nsp", "albert_mlm_sop"])
+def test_one_sentence_documents_make_no_pairs(objective, tmp_path, demo_paths, demo_vocab):
+  lonely = [f"Lonely sentence number {i}." for i in range(50)]
+  (tmp_path / "a.txt").write_text("\n\n".join(lonely[:25] + ["Pair opens here.\nPair closes here."] + lonely[25:]))
+  name = tasks.register_task(f"test_single_{objective}", sources.TextDocumentSource({"train": str(tmp_path / "a.txt")}),
+                             objective, demo_paths["vocab_model"])
+  found = examples(name)
+  assert len(found) == 1  # the one two-sentence document makes one pair
+  text = demo_vocab.tokenizer.decode_ids(found[0]["input_ids"].tolist())
+  assert "Lonely" not in text and "Pair" in text, text
+  if objective == "bert_mlm_nsp":  # no other document exists to draw a random B from
+    assert found[0]["nsp_label"] == 0
+
+
+def run_vocab_cli(*args):
+  return subprocess.run([sys.executable, "-m", "data_pipelines.vocab", *args], capture_output=True, text=True,
+                        timeout=300)
+
+
+def test_vocab_cli_trains_a_model_with_the_documented_special_ids(tmp_path, demo_paths):
+  (tmp_path / "text").mkdir()
+  (tmp_path / "text" / "corpus.txt").write_text(open(demo_paths["validation"], encoding="utf-8").read())
+  result = run_vocab_cli(f"--input={tmp_path}/text/*.txt", "--vocab_size=300", f"--output={tmp_path}/out/spm")
+  assert result.returncode == 0, result.stderr[-2000:]
+  model = str(tmp_path / "out" / "spm.model")
+  processor = spm.SentencePieceProcessor(model_file=model)
+  assert processor.get_piece_size() == 300
+  # The ids vocab.py's docstring documents: <pad>=0 </s>=1 <unk>=2 <s>=3 [CLS]=4 [SEP]=5 [MASK]=6.
+  assert [processor.id_to_piece(i) for i in range(7)] == ["<pad>", "</s>", "<unk>", "<s>", "[CLS]", "[SEP]", "[MASK]"]
+  assert vocab.special_ids(vocab.load_vocabulary(model)) == vocab.SpecialIds(
+      pad=0, eos=1, unk=2, bos=3, cls=4, sep=5, mask=6)
+  assert 6 in processor.encode_as_ids("a [MASK] here")  # user-defined pieces are matched in text
+
+
+def test_vocab_cli_glob_matching_nothing_is_a_one_line_error(tmp_path):
+  pattern = f"{tmp_path}/nothing-*.txt"
+  result = run_vocab_cli(f"--input={pattern}", "--vocab_size=300", f"--output={tmp_path}/spm")
+  assert result.returncode != 0
+  assert result.stderr.strip().splitlines()[-1] == f"error: --input={pattern!r} matches no files"
+  assert "Traceback" not in result.stderr
+
+
+ARTICLES = 40
+
+
+@pytest.fixture(scope="module")
+def tiny_wiki_dir(tmp_path_factory):
+  """A TFDS dataset `tiny_wiki:1.0.0` prepared on disk from generated wikipedia-like articles."""
+  import tensorflow_datasets as tfds  # slow to import: only for this test
+
+  class TinyWiki(tfds.core.GeneratorBasedBuilder):
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(
+          {"title": tfds.features.Text(), "text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+      del dl_manager  # nothing to download
+      return {"train": self._generate_examples()}
+
+    def _generate_examples(self):
+      for i in range(ARTICLES):
+        yield i, {"title": f"Topic {i}", "text": article(i)}
+
+  data_dir = tmp_path_factory.mktemp("tfds")
+  TinyWiki(data_dir=str(data_dir)).download_and_prepare()
+  return str(data_dir)
+
+
+def article(i):
+  """Wikipedia style: a paragraph per line, several sentences per paragraph."""
+  return (f"Topic {i} is a town in the north. It was founded in {1800 + i}. The town has {i + 3} bridges.\n\n"
+          f"Its economy relies on fishing. Tourists visit topic {i} every summer!")
+
+
+def test_tfds_dataset_on_disk_yields_valid_examples(tiny_wiki_dir, demo_paths, demo_vocab):
+  name = tasks.tfds_task("bert_mlm_nsp", "tiny_wiki:1.0.0", demo_paths["vocab_model"], data_dir=tiny_wiki_dir)
+  processor = demo_vocab.tokenizer
+  # Decoding normalises text slightly (spacing): compare with each sentence encoded and decoded.
+  texts = [" ".join(processor.decode_ids(processor.encode_as_ids(s)) for s in re.split(r"(?<=[.!])\s+", article(i)))
+           for i in range(ARTICLES)]
+  found = examples(name)
+  assert len(found) >= ARTICLES  # every article has 5 sentences: at least one pair each
+  for example in found:
+    ids = example["input_ids"].copy()
+    real = example["masked_weights"] > 0
+    ids[example["masked_positions"][real]] = example["masked_ids"][real]
+    seps = np.flatnonzero(ids == SEP)
+    assert ids[0] == CLS and len(seps) == 2 and np.all(ids[seps[1] + 1:] == 0)
+    np.testing.assert_array_equal(example["segment_ids"][:seps[1] + 1], np.arange(seps[1] + 1) > seps[0])
+    a, b = processor.decode_ids(ids[1:seps[0]].tolist()), processor.decode_ids(ids[seps[0] + 1:seps[1]].tolist())
+    assert any(a in t for t in texts) and any(b in t for t in texts), (a, b)
+    if example["nsp_label"] == 0:
+      assert any(f"{a} {b}" in t for t in texts), (a, b)

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models import layers
-from models.bert import BertEmbeddings, gather_positions
+from models.bert import BertEmbeddings, pretraining_heads
 
 # Which sublayers one module serves for every layer ("all" is the paper's default; the others are
 # its Table 4 ablations).
@@ -99,11 +99,6 @@ class AlbertForPreTraining(nn.Module):
     if length > cfg.max_position_embeddings:
       raise ValueError(f"sequence length {length} exceeds max_position_embeddings={cfg.max_position_embeddings}")
     hidden, word = AlbertEncoder(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
-    pooler = layers.dense(cfg.hidden_size, ("embed",), ("hidden",), dtype=cfg.dtype, name="pooler")
-    pooled = jnp.tanh(pooler(hidden[:, 0]))  # the [CLS] position
-    sop_logits = layers.dense(2, ("hidden",), (None,), dtype=cfg.dtype, name="sop")(pooled)
-    if "masked_positions" in features:
-      hidden = gather_positions(hidden, features["masked_positions"])
-    mlm_logits = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, features=cfg.embedding_size,
-                                     approximate_gelu=cfg.approximate_gelu, name="mlm")(hidden, word)
-    return {"mlm_logits": mlm_logits.astype(jnp.float32), "sop_logits": sop_logits.astype(jnp.float32)}
+    mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, features=cfg.embedding_size,
+                                   approximate_gelu=cfg.approximate_gelu, name="mlm")
+    return pretraining_heads(hidden, word, features, mlm_head, pair_task="sop", dtype=cfg.dtype)

@@ -55,6 +55,20 @@ def gather_positions(hidden: jax.Array, positions: jax.Array) -> jax.Array:
   return jnp.take_along_axis(hidden, positions[..., None], axis=1)
 
 
+def pretraining_heads(hidden, word_embedding, features, mlm_head, *, pair_task: str, dtype) -> dict:
+  """The heads BERT and ALBERT share: a tanh pooler on [CLS] with a 2-way sentence-pair classifier
+  named `pair_task` ('nsp' or 'sop'), and `mlm_head` at masked_positions (all positions without them).
+
+  Call it inside a compact method: the layers it makes are the caller's (pooler, <pair_task>, mlm).
+  """
+  pooled = jnp.tanh(layers.dense(hidden.shape[-1], ("embed",), ("hidden",), dtype=dtype, name="pooler")(hidden[:, 0]))
+  pair_logits = layers.dense(2, ("hidden",), (None,), dtype=dtype, name=pair_task)(pooled)
+  if "masked_positions" in features:
+    hidden = gather_positions(hidden, features["masked_positions"])
+  mlm_logits = mlm_head(hidden, word_embedding)
+  return {"mlm_logits": mlm_logits.astype(jnp.float32), f"{pair_task}_logits": pair_logits.astype(jnp.float32)}
+
+
 class BertEncoder(nn.Module):
   """Embeddings and the layer stack; returns the final hidden states and the word embedding."""
   config: BertConfig
@@ -84,9 +98,5 @@ class BertForPreTraining(nn.Module):
   def __call__(self, features, deterministic: bool = True):
     cfg = self.config
     hidden, word = BertEncoder(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
-    pooled = jnp.tanh(layers.dense(cfg.hidden_size, ("embed",), ("hidden",), dtype=cfg.dtype, name="pooler")(hidden[:, 0]))
-    nsp_logits = layers.dense(2, ("hidden",), (None,), dtype=cfg.dtype, name="nsp")(pooled)
-    if "masked_positions" in features:
-      hidden = gather_positions(hidden, features["masked_positions"])
-    mlm_logits = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, name="mlm")(hidden, word)
-    return {"mlm_logits": mlm_logits.astype(jnp.float32), "nsp_logits": nsp_logits.astype(jnp.float32)}
+    mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, name="mlm")
+    return pretraining_heads(hidden, word, features, mlm_head, pair_task="nsp", dtype=cfg.dtype)

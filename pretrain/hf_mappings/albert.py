@@ -4,7 +4,7 @@ HF ALBERT expresses sharing as layer groups; this mapping covers the paper's def
 one layer serving every layer (share='all'). The ablation modes have no HF equivalent.
 """
 from models.albert import AlbertConfig
-from pretrain.hf_mappings.bert import attention_rules, dense_rules, norm_rules
+from pretrain.hf_mappings.bert import attention_rules, dense_rules, norm_rules, pretraining_head_rules
 from pretrain.hf_mappings.common import Rule
 
 HF_CLASS = "AlbertForPreTraining"
@@ -30,11 +30,9 @@ def rules(config: AlbertConfig) -> list:
   out += dense_rules("encoder/shared_ffn/mlp/intermediate", f"{SHARED_LAYER}.ffn")
   out += dense_rules("encoder/shared_ffn/mlp/output", f"{SHARED_LAYER}.ffn_output")
   out += norm_rules("encoder/shared_ffn/norm", f"{SHARED_LAYER}.full_layer_layer_norm")
-  out += dense_rules("pooler", "albert.pooler")
-  out += dense_rules("sop", "sop_classifier.classifier")
-  out += dense_rules("mlm/transform", "predictions.dense")
-  out += norm_rules("mlm/norm", "predictions.LayerNorm")
-  out += [Rule("mlm/output/bias", "predictions.bias")]
+  out += pretraining_head_rules("sop", pooler="albert.pooler", pair="sop_classifier.classifier",
+                                transform="predictions.dense", transform_norm="predictions.LayerNorm",
+                                output_bias="predictions.bias")
   return out
 
 

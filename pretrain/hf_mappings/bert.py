@@ -33,6 +33,13 @@ def encoder_layer_rules(flax_prefix: str, hf_prefix: str) -> list:
           + norm_rules(f"{flax_prefix}/ffn_norm", f"{hf_prefix}.output.LayerNorm"))
 
 
+def pretraining_head_rules(pair_task: str, *, pooler: str, pair: str, transform: str, transform_norm: str,
+                           output_bias: str) -> list:
+  """`models.bert.pretraining_heads` (BERT and ALBERT) against HF's names for the same layers."""
+  return (dense_rules("pooler", pooler) + dense_rules(pair_task, pair) + dense_rules("mlm/transform", transform)
+          + norm_rules("mlm/norm", transform_norm) + [Rule("mlm/output/bias", output_bias)])
+
+
 def rules(config: BertConfig) -> list:
   out = [Rule("encoder/embeddings/word/embedding", "bert.embeddings.word_embeddings.weight"),
          Rule("encoder/embeddings/position/embedding", "bert.embeddings.position_embeddings.weight"),
@@ -40,11 +47,9 @@ def rules(config: BertConfig) -> list:
   out += norm_rules("encoder/embeddings/norm", "bert.embeddings.LayerNorm")
   for i in range(config.num_layers):
     out += encoder_layer_rules(f"encoder/layer_{i}", f"bert.encoder.layer.{i}")
-  out += dense_rules("pooler", "bert.pooler.dense")
-  out += dense_rules("nsp", "cls.seq_relationship")
-  out += dense_rules("mlm/transform", "cls.predictions.transform.dense")
-  out += norm_rules("mlm/norm", "cls.predictions.transform.LayerNorm")
-  out += [Rule("mlm/output/bias", "cls.predictions.bias")]
+  out += pretraining_head_rules("nsp", pooler="bert.pooler.dense", pair="cls.seq_relationship",
+                                transform="cls.predictions.transform.dense",
+                                transform_norm="cls.predictions.transform.LayerNorm", output_bias="cls.predictions.bias")
   return out
 
 

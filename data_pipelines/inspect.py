@@ -23,7 +23,7 @@ DEFAULT_FEATURE_LENGTHS = {
     "albert_mlm_sop": {"input_ids": 128, "masked_positions": 20},
     "bart_denoising": {"encoder_input_ids": 128, "decoder_input_ids": 128},
     "t5_span_corruption": {"encoder_input_ids": 128, "decoder_input_ids": 32},
-    # XLNet: add its objective here once tasks.OBJECTIVES has it, e.g. {"input_ids": 128, "target_ids": 20}.
+    "xlnet_plm": {"input_ids": 128, "target_ids": 21},
 }
 # Token features that are prediction targets: the task's output_features list only the inputs.
 TARGET_TOKEN_FEATURES = ("masked_ids", "target_ids", "decoder_target_ids")

@@ -156,3 +156,16 @@ def test_tfds_dataset_on_disk_yields_valid_examples(tiny_wiki_dir, demo_paths, d
     assert any(a in t for t in texts) and any(b in t for t in texts), (a, b)
     if example["nsp_label"] == 0:
       assert any(f"{a} {b}" in t for t in texts), (a, b)
+
+
+def test_a_run_trains_from_tfds_through_the_gin_switch(tiny_wiki_dir, demo_paths, tmp_path):
+  import gin
+  from pretrain import cli, trainer
+  gin.clear_config()
+  cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin", "gin_configs/objectives/tfds_source.gin"], [
+      "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'", f"VOCAB_MODEL = '{demo_paths['vocab_model']}'",
+      "bert.BertConfig.hidden_size = 32", "bert.BertConfig.mlp_dim = 64", "BATCH_SIZE = 4", "TRAIN_STEPS = 2",
+      "LOG_EVERY_STEPS = 1", "EVAL_EVERY_STEPS = 0", f"MODEL_DIR = '{tmp_path}'"])
+  summary = gin.get_configurable(trainer.train)()
+  assert np.isfinite(summary["last_loss"])
+  assert (tmp_path / "checkpoints" / "2").exists()

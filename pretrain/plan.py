@@ -1,0 +1,330 @@
+"""Will a run fit on a TPU slice, and how fast could it be? Its training step, compiled ahead of time.
+
+  python -m pretrain.plan --gin_file=gin_configs/runs/xlnet_large_v3_512.gin [--gin.KEY=VALUE ...] \\
+      [--topology=v3:16x16] [--num_slices=N]
+
+Needs libtpu (`pip install -e ".[tpu]"`), not a TPU. It parses the same gin files as pretrain.train,
+takes train()'s bound arguments, builds the same Setup (trainer.setup_for_run: model, optimizer,
+shardings, microbatches, remat from the model config) over the devices of the topology and compiles
+the same jitted step (trainer.jit_train_step) for them. It prints the compiler's per-device HBM
+figures, FLOPs and bytes per step, the model's FLOPs, and a roofline estimate of step time and MFU.
+`--topology` is libtpu's name, `vN:AxB[xC]` in chips (`v3:16x16` is a v3-512 slice);
+`--num_slices` defaults to the run's NUM_SLICES.
+
+Exit codes: 0 fits; 2 does not fit (the compiler's out-of-memory line on stderr); 1 bad configuration.
+A large model takes minutes and up to 13 GB of host RAM to compile (XLNet-Large on v3:16x16):
+plan one configuration at a time.
+"""
+import copy
+import dataclasses
+import inspect
+import math
+import os
+import re
+import sys
+import time
+import warnings
+
+import gin
+
+from pretrain import cli
+
+DEFAULT_TOPOLOGY = "v3:16x16"
+GIB = 2 ** 30
+HEADROOM_WARNING = 0.10  # below this fraction of free HBM, fragmentation or a new libtpu may tip it over
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU chip. A JAX device is a chip, or one TensorCore where the topology lists cores."""
+  cloud_name: str  # accelerator types are <cloud_name>-<TensorCores>: v3-512 is 256 chips
+  tensorcores: int
+  peak_bf16_flops: float  # FLOP/s
+  hbm_bandwidth: float  # bytes/s
+  usable_hbm_bytes: float  # what XLA lets a program use: its out-of-memory message, libtpu 0.0.42.1
+
+
+# Peak bf16 FLOP/s and HBM bandwidth per chip from the sources named; usable HBM measured by compiling
+# an oversized program for each generation (nominal HBM per chip in the comments).
+CHIPS = {
+    # Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks", CACM 2020:
+    # 46 TFLOP/s, 700 GB/s, 16 GiB (2 cores of 7.48 GiB usable).
+    "v2": Chip("v2", 2, 46e12, 700e9, 2 * 7.48 * GIB),
+    # cloud.google.com/tpu/docs/v3: 123 TFLOP/s, 900 GB/s, 32 GiB (2 cores of 15.48 GiB usable).
+    "v3": Chip("v3", 2, 123e12, 900e9, 2 * 15.48 * GIB),
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 1200 GB/s, 32 GiB (2 cores of 15.25 GiB usable).
+    "v4": Chip("v4", 2, 275e12, 1200e9, 2 * 15.25 * GIB),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 819 GB/s, 16 GB.
+    "v5e": Chip("v5litepod", 1, 197e12, 819e9, 15.75 * GIB),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 2765 GB/s, 95 GB.
+    "v5p": Chip("v5p", 2, 459e12, 2765e9, 95.74 * GIB),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 1638 GB/s, 32 GB.
+    "v6e": Chip("v6e", 1, 918e12, 1638e9, 31.25 * GIB),
+}
+_TOPOLOGY = re.compile(r"(v\d+[a-z]*):(\d+(?:x\d+)*)")
+
+# train()'s arguments that shape the compiled step; the rest (paths, schedule of logging) do not.
+STEP_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "mesh_shape",
+                  "optimizer", "schedule", "microbatches", "num_slices")
+
+
+class DoesNotFit(Exception):
+  """The compiler ran out of HBM; the message is its one-line reason."""
+
+
+def parse_topology(name: str) -> tuple:
+  """'v3:16x16' -> ('v3', 256 chips)."""
+  match = _TOPOLOGY.fullmatch(name)
+  if not match or match.group(1) not in CHIPS:
+    raise ValueError(f"--topology={name!r}: expected <generation>:<chips per axis>, e.g. v3:16x16 "
+                     f"(generations {', '.join(CHIPS)})")
+  return match.group(1), math.prod(int(n) for n in match.group(2).split("x"))
+
+
+def accelerator_type(topology: str) -> str:
+  """'v3:16x16' -> 'v3-512', the Cloud name of the slice."""
+  generation, chips = parse_topology(topology)
+  chip = CHIPS[generation]
+  return f"{chip.cloud_name}-{chips * chip.tensorcores}"
+
+
+def train_arguments() -> dict:
+  """trainer.train's gin-bound arguments that shape the step, evaluated as train() would receive them."""
+  from pretrain import trainer
+  bound = gin.get_bindings(trainer.train, resolve_references=False)  # leaves MODEL_DIR & co. unevaluated
+  signature = inspect.signature(trainer.train).parameters
+  arguments = {}
+  for name in STEP_ARGUMENTS:
+    if name in bound:
+      arguments[name] = copy.deepcopy(bound[name])  # deepcopy is how gin evaluates @references and %MACROS
+    elif signature[name].default is not inspect.Parameter.empty:
+      arguments[name] = signature[name].default
+    else:
+      raise ValueError(f"trainer.train.{name} is not bound: include gin_configs/runs/pretrain.gin in the run")
+  return arguments
+
+
+def vocab_size(family, task_name: str) -> int:
+  """The model's vocab_size, or the task vocabulary's size when the model gin leaves it None (as train does)."""
+  if family.config.vocab_size is not None:
+    return family.config.vocab_size
+  from data_pipelines import tasks
+  return tasks.get_task_or_mixture(task_name).output_features["input_ids"].vocabulary.vocab_size
+
+
+def matmul_flops(jaxpr) -> float:
+  """2·M·N·K over every dot_general, recursing into sub-programs: scan bodies × length, the costliest
+  cond branch, while bodies once (their trip count is unknown)."""
+  import jax.extend.core as jex
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (lhs_contracting, _), _ = eqn.params["dimension_numbers"]
+      lhs_shape = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs_shape[d] for d in lhs_contracting)
+    inner = [matmul_flops(sub) for sub in jex.jaxprs_in_params(eqn.params)]
+    if eqn.primitive.name == "cond":
+      total += max(inner, default=0.0)
+    elif eqn.primitive.name == "scan":
+      total += eqn.params["length"] * sum(inner)
+    else:
+      total += sum(inner)
+  return total
+
+
+def model_flops_per_step(setup) -> float:
+  """Matmul FLOPs of one step's forward and backward pass at the global batch, counted in the program
+  with remat off: MFU's model FLOPs exclude recomputation. (3 × forward over-counts matmuls whose
+  inputs need no gradient: XLNet's memory, relative positions and target mapping.)"""
+  import jax
+  family = setup.family
+  if getattr(family.config, "remat_policy", "none") != "none":
+    family = dataclasses.replace(family, config=dataclasses.replace(family.config, remat_policy="none"))
+  model, state = family.make_model(), setup.abstract_state()
+
+  def loss(params, batch, carry):
+    outputs, _ = family.forward(model, params, batch, carry, rngs={}, deterministic=True)
+    return family.loss_and_metrics(outputs, batch)[0]
+
+  return matmul_flops(jax.make_jaxpr(jax.grad(loss))(state.params, setup.batch_shapes, state.carry).jaxpr)
+
+
+def compile_step(setup):
+  """trainer.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
+  import flax.linen as nn
+  import jax
+  from pretrain import partitioning, trainer
+  batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=partitioning.batch_sharding(setup.mesh))
+           for k, s in setup.batch_shapes.items()}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh`, as in train(); jax prefers jax.set_mesh
+    with setup.mesh, nn.logical_axis_rules(setup.rules):
+      lowered = trainer.jit_train_step(setup).lower(setup.sharded_abstract_state(), batch)
+  try:
+    return lowered.compile()
+  except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    raise DoesNotFit(next((line for line in lines if "memory" in line.lower()), lines[0])) from None
+
+
+@dataclasses.dataclass
+class Plan:
+  topology: str
+  num_slices: int
+  devices: int
+  device_kind: str
+  chip: Chip
+  devices_per_chip: float
+  family: str
+  parameters: int
+  batch_size: int
+  mesh: dict
+  microbatches: int
+  remat: str
+  tokens_per_step: int
+  compile_seconds: float = 0.0
+  memory: dict = dataclasses.field(default_factory=dict)  # bytes per device
+  compiled_flops: float = 0.0  # per device per step, loop bodies multiplied out
+  bytes_accessed: float = 0.0  # per device per step, likewise
+  model_flops: float = 0.0  # whole step, all devices
+
+  @property
+  def peak_flops(self) -> float:
+    return self.chip.peak_bf16_flops / self.devices_per_chip
+
+  @property
+  def hbm_bandwidth(self) -> float:
+    return self.chip.hbm_bandwidth / self.devices_per_chip
+
+  @property
+  def hbm_limit(self) -> float:
+    return self.chip.usable_hbm_bytes / self.devices_per_chip
+
+  @property
+  def hbm_total(self) -> float:
+    m = self.memory
+    return m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
+
+  def step_seconds(self) -> dict:
+    """Roofline lower bounds per step: all FLOPs at peak, or all bytes at full HBM bandwidth."""
+    return {"compute": self.compiled_flops / self.peak_flops, "HBM": self.bytes_accessed / self.hbm_bandwidth}
+
+
+def setup_lines(p: Plan) -> list:
+  return [
+      f"topology: {p.topology} ({accelerator_type(p.topology)}) x {p.num_slices} slice(s) = {p.devices} devices "
+      f"({p.device_kind}); per device "
+      f"{p.hbm_limit / GIB:.2f} GiB HBM usable, {p.peak_flops / 1e12:.1f} TFLOP/s bf16 peak, "
+      f"{p.hbm_bandwidth / 1e9:.0f} GB/s HBM",
+      f"run: {p.family}, {p.parameters / 1e6:.1f}M parameters, global batch {p.batch_size} "
+      f"({p.tokens_per_step} tokens), mesh {p.mesh}, microbatches {p.microbatches}, remat {p.remat}",
+  ]
+
+
+def report_lines(p: Plan) -> list:
+  m = p.memory
+  loops = f" (× {p.microbatches} microbatches: XLA counts a loop body once)" if p.microbatches > 1 else ""
+  times = p.step_seconds()
+  bound = max(times, key=times.get)
+  mfu = p.model_flops / (p.devices * p.peak_flops * times[bound])
+  headroom = 1 - p.hbm_total / p.hbm_limit
+  lines = [
+      f"compiled in {p.compile_seconds:.0f} s",
+      f"HBM per device: arguments {m['arguments'] / GIB:.2f} GiB, outputs {m['outputs'] / GIB:.2f} GiB, "
+      f"aliased {m['aliased'] / GIB:.2f} GiB, temporaries {m['temporaries'] / GIB:.2f} GiB; "
+      f"total {p.hbm_total / GIB:.2f} GiB of {p.hbm_limit / GIB:.2f} GiB ({headroom:.0%} headroom)",
+      f"compiled FLOPs per device per step: {p.compiled_flops:.3e}{loops}; includes any remat recomputation",
+      f"HBM bytes accessed per device per step: {p.bytes_accessed:.3e}{loops}",
+      f"model FLOPs per step: {p.model_flops:.3e} = {p.model_flops / p.devices:.3e} per device = "
+      f"{p.model_flops / p.tokens_per_step:.3e} per token (matmuls of the forward and backward pass, counted "
+      f"in the program without remat)",
+      f"estimate (roofline; ignores communication and imperfect overlap): compute {times['compute']:.3g} s, "
+      f"HBM {times['HBM']:.3g} s per step -> {bound}-bound, step >= {times[bound]:.3g} s, MFU <= {mfu:.1%}",
+  ]
+  if headroom < HEADROOM_WARNING:
+    lines.append(f"warning: less than {HEADROOM_WARNING:.0%} of HBM left; prefer more remat, microbatches or fsdp")
+  return lines
+
+
+def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
+  """Builds and compiles the run's step for the topology; `show` gets the setup lines before compiling."""
+  import jax
+  from jax.experimental import topologies
+  from pretrain import partitioning, trainer
+  generation, chips = parse_topology(topology)
+  extra = {"num_slices": num_slices} if num_slices > 1 else {}
+  devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **extra).devices
+  mesh = partitioning.make_mesh(arguments["mesh_shape"], devices=devices, num_slices=num_slices)
+  family, task = arguments["family"], arguments["mixture_or_task_name"]
+  setup = trainer.setup_for_run(family, arguments["task_feature_lengths"], arguments["batch_size"], mesh,
+                                arguments["optimizer"], arguments["schedule"], arguments["microbatches"],
+                                vocab_size(family, task))
+  p = Plan(topology=topology, num_slices=num_slices, devices=len(devices), device_kind=devices[0].device_kind,
+           chip=CHIPS[generation], devices_per_chip=len(devices) / (chips * num_slices),
+           family=setup.family.name, parameters=sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
+           batch_size=arguments["batch_size"], mesh={k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1},
+           microbatches=setup.microbatches, remat=getattr(setup.family.config, "remat_policy", "none"),
+           tokens_per_step=trainer.tokens_per_batch(arguments["batch_size"], arguments["task_feature_lengths"]))
+  for line in setup_lines(p):
+    show(line)
+  p.model_flops = model_flops_per_step(setup)
+  start = time.time()
+  compiled = compile_step(setup)
+  p.compile_seconds = time.time() - start
+  stats = compiled.memory_analysis()
+  p.memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+              "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+  cost = compiled.cost_analysis()
+  # The microbatch loop is a lax.scan: its body (nearly all the work) is counted once. Multiplying the
+  # whole step over-counts the optimizer update by (microbatches - 1) times, well under 1%.
+  p.compiled_flops = cost["flops"] * p.microbatches
+  p.bytes_accessed = cost["bytes accessed"] * p.microbatches
+  return p
+
+
+def _flags(rest: list) -> dict:
+  flags = {"topology": DEFAULT_TOPOLOGY, "num_slices": None}
+  for arg in rest:
+    name, _, value = arg.partition("=")
+    key = name.removeprefix("--")
+    if not name.startswith("--") or key not in flags or not value:
+      raise ValueError(f"unknown argument {arg!r}; expected --gin_file=F, --gin.KEY=VALUE, --topology=vN:AxB, "
+                       f"--num_slices=N")
+    flags[key] = value
+  if flags["num_slices"] is not None:
+    if not flags["num_slices"].isdigit() or int(flags["num_slices"]) < 1:
+      raise ValueError(f"--num_slices={flags['num_slices']}: expected a positive integer")
+    flags["num_slices"] = int(flags["num_slices"])
+  return flags
+
+
+def main(argv) -> None:
+  # The plan compiles for a described topology and opens no TPU: it may run beside any other libtpu
+  # user (another plan, training on this host), which libtpu's lockfile would refuse. libtpu wants to
+  # know its host at load time; these values silence its warnings and do not change the topology.
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  try:
+    files, bindings, rest = cli.split_gin_args(argv[1:])
+    flags = _flags(rest)
+    if not files:
+      raise ValueError("no --gin_file given, e.g. --gin_file=gin_configs/runs/xlnet_large_v3_512.gin")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type(flags["topology"]))
+    cli.parse_gin(files, bindings)
+    arguments = train_arguments()
+    num_slices = flags["num_slices"] or arguments["num_slices"]
+    result = plan(arguments, flags["topology"], num_slices, show=lambda line: print(line, flush=True))
+  except DoesNotFit as e:
+    print(f"pretrain.plan: does not fit: {e}", file=sys.stderr)
+    sys.exit(2)
+  except cli.USER_ERRORS as e:
+    cli.fail(e, "pretrain.plan")
+  for line in report_lines(result):
+    print(line)
+
+
+if __name__ == "__main__":
+  main(sys.argv)

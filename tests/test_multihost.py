@@ -1,0 +1,127 @@
+"""Multi-process training on CPU (launch.local): two processes train like one at the same global batch,
+only process 0 reports, and after one process is killed both resume exactly from the last checkpoint.
+
+One two-process run serves both tests: it trains until process 1 is killed after step 10's checkpoint.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_STEPS = 30
+KILL_AFTER_CHECKPOINT = 10
+# DATA_SHARDS=2 fixes the global batch's seqio shards, whatever the number of processes reading them.
+RUN = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_bindings=bert.BertConfig.hidden_size = 64",
+       "--gin_bindings=bert.BertConfig.mlp_dim = 128",
+       "--gin_bindings=TASK_FEATURE_LENGTHS = {'input_ids': 64, 'masked_positions': 10}",
+       "--gin.BATCH_SIZE=8", "--gin.LEARNING_RATE=2e-3", "--gin.WARMUP_STEPS=5", "--gin.EVAL_EVERY_STEPS=0",
+       "--gin.LOG_EVERY_STEPS=1", "--gin.CHECKPOINT_EVERY_STEPS=5", "--gin.DATA_SHARDS=2",
+       "--gin.MESH_SHAPE={'data': 4}"]
+RTOL = 1e-5  # two processes all-reduce across gloo in another order than one process's devices
+
+
+def train_command(model_dir, steps):
+  return [sys.executable, "-m", "pretrain.train", *RUN, f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}"]
+
+
+def two_processes(model_dir, steps):
+  return [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=2", "--",
+          *train_command(model_dir, steps)]
+
+
+def run(command, **env):
+  return subprocess.run(command, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, capture_output=True,
+                        text=True, timeout=600)
+
+
+def logged_losses(model_dir):
+  """step -> loss; a resumed run's rows come later in metrics.jsonl and win."""
+  rows = [json.loads(line) for line in (Path(model_dir) / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in rows if "split" not in r}
+
+
+def lines_of(output, process):
+  prefix = f"[process {process}] "
+  return [line[len(prefix):] for line in output.splitlines() if line.startswith(prefix)]
+
+
+def progress_lines(lines):
+  return [line for line in lines if line.startswith("[#") or line.startswith("[.") or "resumed from" in line]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory):
+  """The uninterrupted reference: one process with 4 devices."""
+  model_dir = tmp_path_factory.mktemp("one_process")
+  result = run(train_command(model_dir, TRAIN_STEPS), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  return logged_losses(model_dir)
+
+
+def _child_with_process_id(parent_pid: int, process_id: int) -> int:
+  """The pid of launch.local's child that runs JAX process `process_id`."""
+  for proc in Path("/proc").iterdir():
+    if not proc.name.isdigit():
+      continue
+    try:
+      parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+      environ = (proc / "environ").read_bytes().split(b"\0")
+    except (OSError, IndexError, ValueError):  # the process ended meanwhile
+      continue
+    if parent == parent_pid and f"JAX_PROCESS_ID={process_id}".encode() in environ:
+      return int(proc.name)
+  raise AssertionError(f"no child of {parent_pid} runs JAX process {process_id}")
+
+
+def _finished_checkpoints(model_dir):
+  directory = Path(model_dir) / "checkpoints"
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+  """Two processes training TRAIN_STEPS steps until process 1 is killed after the checkpoint at step 10."""
+  model_dir = tmp_path_factory.mktemp("two_processes")
+  launcher = subprocess.Popen(two_processes(model_dir, TRAIN_STEPS), cwd=ROOT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+  deadline = time.time() + 300
+  while not any(s >= KILL_AFTER_CHECKPOINT for s in _finished_checkpoints(model_dir)):
+    assert launcher.poll() is None and time.time() < deadline, "the run ended before its checkpoint at step 10"
+    time.sleep(0.05)
+  os.kill(_child_with_process_id(launcher.pid, 1), signal.SIGKILL)
+  output = launcher.communicate(timeout=120)[0]
+  return {"model_dir": model_dir, "output": output, "returncode": launcher.returncode,
+          "losses": logged_losses(model_dir), "latest": max(_finished_checkpoints(model_dir))}
+
+
+def test_two_processes_train_like_one_and_only_process_0_reports(interrupted_run, one_process_losses):
+  losses, output = interrupted_run["losses"], interrupted_run["output"]
+  steps = range(1, max(losses) + 1)
+  assert len(steps) >= KILL_AFTER_CHECKPOINT
+  np.testing.assert_allclose([losses[s] for s in steps], [one_process_losses[s] for s in steps], rtol=RTOL)
+  assert len(progress_lines(lines_of(output, 0))) >= KILL_AFTER_CHECKPOINT
+  assert progress_lines(lines_of(output, 1)) == []
+  assert any("2 process(es)" in line for line in lines_of(output, 0))
+  iterators = interrupted_run["model_dir"] / "checkpoints" / str(interrupted_run["latest"]) / "data_iterator"
+  assert (iterators / "process_0.index").exists() and (iterators / "process_1.index").exists()
+
+
+def test_after_a_killed_process_both_resume_from_the_last_checkpoint_exactly(interrupted_run, one_process_losses):
+  assert interrupted_run["returncode"] != 0 and "process 1 exited" in interrupted_run["output"]
+  assert max(interrupted_run["losses"]) < TRAIN_STEPS, "process 1 was killed after the run had finished"
+  model_dir, latest = interrupted_run["model_dir"], interrupted_run["latest"]
+  resumed = run(two_processes(model_dir, TRAIN_STEPS))
+  assert resumed.returncode == 0, resumed.stdout[-3000:]
+  assert f"resumed from step {latest}" in "\n".join(lines_of(resumed.stdout, 0))
+  assert progress_lines(lines_of(resumed.stdout, 1)) == []
+  losses = logged_losses(model_dir)
+  steps = range(1, TRAIN_STEPS + 1)
+  np.testing.assert_allclose([losses[s] for s in steps], [one_process_losses[s] for s in steps], rtol=RTOL)

@@ -25,8 +25,10 @@ def main(argv) -> None:
     summary = gin.get_configurable(trainer.train)()
   except cli.USER_ERRORS as e:
     cli.fail(e, "pretrain.train")
-  print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
-        f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}")
+  import jax
+  if jax.process_index() == 0:
+    print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
+          f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from data_pipelines import input_pipeline
 from pretrain import checkpoints, partitioning
-from pretrain.families.base import Family
+from pretrain.families.base import Family, weight_totals
 from pretrain.metrics import MetricsWriter
 from pretrain.optimizers import make_optimizer, warmup_linear_decay
 
@@ -94,6 +94,10 @@ def setup_for_run(family: Family, task_feature_lengths: Mapping[str, int], batch
   if batch_size % (microbatches * shards):
     raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches} × the mesh's "
                      f"{shards} batch shards")
+  rows = batch_size // (microbatches * shards)
+  if family.reverse_odd_rows() and rows % 2:
+    raise ValueError(f"bi_data pairs forward and backward rows, but BATCH_SIZE={batch_size} gives {rows} rows per "
+                     f"device per microbatch (MICROBATCHES={microbatches}): make it even")
   family = family.with_vocab_size(vocab_size)
   return build_setup(family, family.feature_shapes(batch_size, task_feature_lengths), optimizer, schedule, mesh,
                      partitioning.axis_rules(), microbatches)
@@ -104,10 +108,10 @@ def tokens_per_batch(batch_size: int, feature_lengths: Mapping[str, int]) -> int
   return batch_size * sum(v for k, v in feature_lengths.items() if k.endswith("input_ids"))
 
 
-def _loss_and_grads(setup: Setup, params, batch, carry, rng):
+def _loss_and_grads(setup: Setup, params, batch, carry, rng, weight_totals=None):
   def loss_fn(p):
     outputs, new_carry = setup.family.forward(setup.model, p, batch, carry, rngs={"dropout": rng}, deterministic=False)
-    loss, metrics = setup.family.loss_and_metrics(outputs, batch)
+    loss, metrics = setup.family.loss_and_metrics(outputs, batch, weight_totals)
     return loss, (metrics, new_carry)
 
   (loss, (metrics, new_carry)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -133,8 +137,11 @@ def _accumulated_loss_and_grads(setup: Setup, params, batch, carry, rng):
   """Gradient accumulation: the batch is split into `microbatches` slices scanned in sequence.
 
   Each slice keeps its own rows' carry, so memory-carrying families see the same rows every step.
+  Weighted losses divide by the whole batch's weights (over n), so the mean over slices is exactly
+  the plain step's loss even when slices hold different numbers of predicted positions.
   """
   n, shards = setup.microbatches, partitioning.batch_shards(setup.mesh)
+  totals = {k: v / n for k, v in weight_totals(batch).items()}
   split = lambda x: _split_microbatches(x, n, shards)
   micro_batches = jax.tree.map(split, batch)
   micro_carry = jax.tree.map(split, carry)
@@ -142,7 +149,7 @@ def _accumulated_loss_and_grads(setup: Setup, params, batch, carry, rng):
   def body(grad_sum, inputs):
     micro_batch, micro_carry_in, index = inputs
     loss, metrics, new_carry, grads = _loss_and_grads(setup, params, micro_batch, micro_carry_in,
-                                                      jax.random.fold_in(rng, index))
+                                                      jax.random.fold_in(rng, index), totals)
     return jax.tree.map(jnp.add, grad_sum, grads), (loss, metrics, new_carry)
 
   zeros = jax.tree.map(jnp.zeros_like, params)

@@ -17,5 +17,5 @@ class AlbertFamily(Family):
   def feature_shapes(self, batch_size, feature_lengths):
     return mlm_and_sentence_features(batch_size, feature_lengths, "sop_label")
 
-  def loss_and_metrics(self, outputs, batch):
-    return mlm_and_sentence_loss(outputs, batch, "sop_label", "sop_logits")
+  def loss_and_metrics(self, outputs, batch, weight_totals=None):
+    return mlm_and_sentence_loss(outputs, batch, weight_totals, "sop_label", "sop_logits")

@@ -26,6 +26,7 @@ class BartFamily(Family):
         "decoder_weights": jax.ShapeDtypeStruct(decoder, jnp.float32),
     }
 
-  def loss_and_metrics(self, outputs, batch):
-    loss, accuracy = weighted_cross_entropy(outputs["logits"], batch["decoder_target_ids"], batch["decoder_weights"])
+  def loss_and_metrics(self, outputs, batch, weight_totals=None):
+    loss, accuracy = weighted_cross_entropy(outputs["logits"], batch["decoder_target_ids"], batch["decoder_weights"],
+                                            (weight_totals or {}).get("decoder_weights"))
     return loss, {"denoising_loss": loss, "denoising_accuracy": accuracy}

@@ -63,15 +63,26 @@ class Family(abc.ABC):
     return model.apply({"params": params}, batch, deterministic=deterministic, rngs=rngs), carry
 
   @abc.abstractmethod
-  def loss_and_metrics(self, outputs, batch: Batch) -> Tuple[jax.Array, Metrics]:
-    """Scalar loss and per-batch scalar metrics (accuracies, per-objective losses)."""
+  def loss_and_metrics(self, outputs, batch: Batch, weight_totals: Optional[Mapping[str, jax.Array]] = None
+                       ) -> Tuple[jax.Array, Metrics]:
+    """Scalar loss and per-batch scalar metrics (accuracies, per-objective losses).
+
+    Weighted terms divide by `weight_totals[<name>_weights]` (default: this batch's sums), so that
+    gradient accumulation can normalise every microbatch by the whole batch's weights.
+    """
 
 
-def weighted_cross_entropy(logits, targets, weights):
-  """Mean token cross-entropy and accuracy over positions with weight > 0."""
+def weight_totals(batch: Batch) -> Dict[str, jax.Array]:
+  """The sum of every `*_weights` feature: the denominators of the weighted losses."""
+  return {k: v.astype(jnp.float32).sum() for k, v in batch.items() if k.endswith("_weights")}
+
+
+def weighted_cross_entropy(logits, targets, weights, total=None):
+  """Token cross-entropy and accuracy summed over weighted positions, divided by `total`
+  (default: the sum of `weights`, i.e. the mean over predicted positions)."""
   weights = weights.astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-  denominator = jnp.maximum(weights.sum(), 1.0)
+  denominator = jnp.maximum(weights.sum() if total is None else total, 1e-9)  # no weights: loss 0, not NaN
   loss = (losses * weights).sum() / denominator
   accuracy = ((jnp.argmax(logits, -1) == targets) * weights).sum() / denominator
   return loss, accuracy

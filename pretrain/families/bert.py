@@ -23,9 +23,11 @@ def mlm_and_sentence_features(batch_size, feature_lengths, sentence_label: str):
   }
 
 
-def mlm_and_sentence_loss(outputs, batch, sentence_label: str, sentence_logits: str):
+def mlm_and_sentence_loss(outputs, batch, weight_totals, sentence_label: str, sentence_logits: str):
   """MLM cross-entropy plus the sentence-pair task's cross-entropy, unweighted sum as in the reference."""
-  mlm_loss, mlm_accuracy = weighted_cross_entropy(outputs["mlm_logits"], batch["masked_ids"], batch["masked_weights"])
+  total = (weight_totals or {}).get("masked_weights")
+  mlm_loss, mlm_accuracy = weighted_cross_entropy(outputs["mlm_logits"], batch["masked_ids"], batch["masked_weights"],
+                                                  total)
   logits = outputs[sentence_logits]
   labels = batch[sentence_label]
   pair_loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -46,5 +48,5 @@ class BertFamily(Family):
   def feature_shapes(self, batch_size, feature_lengths):
     return mlm_and_sentence_features(batch_size, feature_lengths, "nsp_label")
 
-  def loss_and_metrics(self, outputs, batch):
-    return mlm_and_sentence_loss(outputs, batch, "nsp_label", "nsp_logits")
+  def loss_and_metrics(self, outputs, batch, weight_totals=None):
+    return mlm_and_sentence_loss(outputs, batch, weight_totals, "nsp_label", "nsp_logits")

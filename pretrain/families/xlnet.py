@@ -47,6 +47,7 @@ class XLNetFamily(Family):
     outputs = model.apply({"params": params}, batch, deterministic=deterministic, rngs=rngs, mems=carry["mems"])
     return {"logits": outputs["logits"]}, {"mems": outputs["new_mems"]}
 
-  def loss_and_metrics(self, outputs, batch):
-    loss, accuracy = weighted_cross_entropy(outputs["logits"], batch["target_ids"], batch["target_weights"])
+  def loss_and_metrics(self, outputs, batch, weight_totals=None):
+    loss, accuracy = weighted_cross_entropy(outputs["logits"], batch["target_ids"], batch["target_weights"],
+                                            (weight_totals or {}).get("target_weights"))
     return loss, {"plm_loss": loss, "plm_accuracy": accuracy}

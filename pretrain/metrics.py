@@ -4,7 +4,7 @@ Only process 0 writes; the others stay quiet so a pod's logs are readable.
 """
 import json
 import time
-from typing import Mapping, Optional
+from typing import Mapping
 
 import jax
 import tensorflow as tf

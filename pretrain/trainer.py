@@ -20,7 +20,6 @@ from data_pipelines import input_pipeline
 from pretrain import checkpoints, partitioning
 from pretrain.families.base import Family, weight_totals
 from pretrain.metrics import MetricsWriter
-from pretrain.optimizers import make_optimizer, warmup_linear_decay
 
 
 INIT_ROWS = 2  # rows of the dummy batch that initialises params: bi_data needs a forward and a backward row
@@ -251,20 +250,22 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   _keep_vocabulary(model_path / "vocab.model", data.vocabulary.sentencepiece_model_file)
   manager = checkpoints.make_manager(model_dir, keep_checkpoints)
   train_iterator = data.iterator("train")
-  writer = MetricsWriter(model_dir, train_steps, start_step=0)
 
   with mesh, nn.logical_axis_rules(setup.rules):
     latest = manager.latest_step()
     if latest is not None and not checkpoints.has_data_iterator(model_dir, latest):  # from pretrain.import_hf
       params = checkpoints.restore_params(model_dir, latest, setup.sharded_abstract_state().params)
       state = _state_from_weights(setup, params, seed)
-      writer.message(f"starting from the weights in {checkpoints.checkpoint_dir(model_dir)}: fresh optimizer, step 0")
+      origin = f"starting from the weights in {checkpoints.checkpoint_dir(model_dir)}: fresh optimizer, step 0"
     elif latest is not None:
       state = checkpoints.restore(manager, latest, setup.sharded_abstract_state(), train_iterator)
-      writer = MetricsWriter(model_dir, train_steps, start_step=latest)
-      writer.message(f"resumed from step {latest} in {checkpoints.checkpoint_dir(model_dir)}")
+      origin = f"resumed from step {latest} in {checkpoints.checkpoint_dir(model_dir)}"
     else:
       state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed))
+      origin = None
+    writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
+    if origin:
+      writer.message(origin)
     step_fn = jit_train_step(setup)
     eval_fn = jax.jit(lambda params, batch: eval_step(setup, params, batch))
     config = run_config(family, mixture_or_task_name, task_feature_lengths)

@@ -15,6 +15,7 @@ from models.bert import BertEmbeddings, pretraining_heads
 # Which sublayers one module serves for every layer ("all" is the paper's default; the others are
 # its Table 4 ablations).
 SHARE_MODES = ("all", "attention", "ffn", "none")
+WHOLE_LAYER_SHARE_MODES = ("all", "none")  # a whole layer is the unit: these stacks may be scanned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +34,14 @@ class AlbertConfig:
   approximate_gelu: bool = True  # google-research/albert's tanh GELU (HF "gelu_new")
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
+  scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
 
   def __post_init__(self):
     if self.share not in SHARE_MODES:
       raise ValueError(f"share={self.share!r}: expected one of {SHARE_MODES}")
+    if self.scan_layers and self.share not in WHOLE_LAYER_SHARE_MODES:
+      raise ValueError(f"scan_layers=True needs share in {WHOLE_LAYER_SHARE_MODES}, got share={self.share!r} "
+                       "(sharing one sublayer mixes shared and per-layer weights in a layer)")
     if self.hidden_size % self.num_heads:
       raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
 
@@ -45,19 +50,35 @@ class AlbertConfig:
     return self.hidden_size // self.num_heads
 
 
+def attention_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNAttentionBlock) -> nn.Module:
+  return block_cls(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype,
+                   name=name)
+
+
+def ffn_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNFeedForwardBlock) -> nn.Module:
+  return block_cls(cfg.mlp_dim, cfg.dropout_rate, 0.0, cfg.layer_norm_eps, cfg.dtype, cfg.approximate_gelu,
+                   name=name)
+
+
+class AlbertLayer(nn.Module):
+  """An attention sublayer then an FFN sublayer: the unit that share='all' shares and 'none' repeats."""
+  config: AlbertConfig
+
+  @nn.compact
+  def __call__(self, x, bias, deterministic: bool):
+    """-> (x, None): the `layer_stack` protocol."""
+    x = attention_block(self.config, "attention")(x, x, bias, deterministic)
+    return ffn_block(self.config, "ffn")(x, deterministic), None
+
+
 class AlbertEncoder(nn.Module):
   """Embeddings (E), projection E -> H and the layer stack; returns hidden states and the word embedding.
 
-  A layer is an attention sublayer then an FFN sublayer; each is either one module called by every
-  layer (shared) or one module per layer, so the four sharing modes are one code path.
+  share='all' applies one AlbertLayer (`shared_layer`) at every depth, 'none' one per depth; both
+  may be scanned. The ablations that share a single sublayer build the stack from sublayers instead
+  (`shared_attention` or `shared_ffn` plus `layer_<i>_ffn` or `layer_<i>_attention`), unrolled.
   """
   config: AlbertConfig
-
-  def sublayers(self, make, name: str, shared: bool) -> list:
-    cfg = self.config
-    if shared:
-      return [make(f"shared_{name}")] * cfg.num_layers
-    return [make(f"layer_{i}_{name}") for i in range(cfg.num_layers)]
 
   @nn.compact
   def __call__(self, input_ids, segment_ids, deterministic: bool):
@@ -69,17 +90,22 @@ class AlbertEncoder(nn.Module):
     x = layers.dense(cfg.hidden_size, ("hidden",), ("embed",), dtype=cfg.dtype, name="embedding_projection")(x)
     x = layers.constrain(x, layers.BATCH_LENGTH_EMBED)
     bias = layers.attention_bias(input_ids > 0, input_ids > 0)
+    if cfg.share in WHOLE_LAYER_SHARE_MODES:
+      x, _ = layers.layer_stack(AlbertLayer, cfg.num_layers, x, bias, deterministic=deterministic,
+                                scan=cfg.scan_layers, remat_policy=cfg.remat_policy, shared=cfg.share == "all",
+                                config=cfg)
+      return x, word
 
+    def sublayers(make, block_cls, name: str, shared: bool) -> list:
+      if shared:
+        return [make(cfg, f"shared_{name}", block_cls)] * cfg.num_layers
+      return [make(cfg, f"layer_{i}_{name}", block_cls) for i in range(cfg.num_layers)]
+
+    # Counting self, `deterministic` is argument 4 of an attention block and 2 of an FFN block.
     attention_cls = layers.maybe_remat(layers.PostLNAttentionBlock, cfg.remat_policy, static_argnums=(4,))
     ffn_cls = layers.maybe_remat(layers.PostLNFeedForwardBlock, cfg.remat_policy, static_argnums=(2,))
-    attentions = self.sublayers(
-        lambda name: attention_cls(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.dropout_rate,
-                                   cfg.layer_norm_eps, cfg.dtype, name=name),
-        "attention", cfg.share in ("all", "attention"))
-    ffns = self.sublayers(
-        lambda name: ffn_cls(cfg.mlp_dim, cfg.dropout_rate, 0.0, cfg.layer_norm_eps, cfg.dtype,
-                             cfg.approximate_gelu, name=name),
-        "ffn", cfg.share in ("all", "ffn"))
+    attentions = sublayers(attention_block, attention_cls, "attention", cfg.share == "attention")
+    ffns = sublayers(ffn_block, ffn_cls, "ffn", cfg.share == "ffn")
     for attention, ffn in zip(attentions, ffns):
       x = ffn(attention(x, x, bias, deterministic), deterministic)
     return x, word

@@ -36,6 +36,7 @@ class BartConfig:
   scale_embedding: bool = False  # multiply token embeddings by sqrt(d_model)
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
+  scan_layers: bool = False  # one nn.scan per stack (see layers.layer_stack)
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -80,8 +81,9 @@ class BartEncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, bias, deterministic: bool):
+    """-> (x, None): the `layer_stack` protocol."""
     x = attention_block(self.config, "self_attention")(x, x, bias, deterministic)
-    return ffn_block(self.config)(x, deterministic)
+    return ffn_block(self.config)(x, deterministic), None
 
 
 class BartDecoderLayer(nn.Module):
@@ -91,7 +93,7 @@ class BartDecoderLayer(nn.Module):
   def __call__(self, x, encoded, self_bias, cross_bias, deterministic: bool):
     x = attention_block(self.config, "self_attention")(x, x, self_bias, deterministic)
     x = attention_block(self.config, "cross_attention")(x, encoded, cross_bias, deterministic)
-    return ffn_block(self.config)(x, deterministic)
+    return ffn_block(self.config)(x, deterministic), None
 
 
 class BartEncoder(nn.Module):
@@ -102,9 +104,8 @@ class BartEncoder(nn.Module):
     cfg = self.config
     x = BartEmbeddings(cfg, name="embeddings")(ids, shared, deterministic)
     bias = layers.attention_bias(ids > 0, ids > 0)
-    layer_cls = layers.maybe_remat(BartEncoderLayer, cfg.remat_policy, static_argnums=(3,))
-    for i in range(cfg.encoder_layers):
-      x = layer_cls(cfg, name=f"layer_{i}")(x, bias, deterministic)
+    x, _ = layers.layer_stack(BartEncoderLayer, cfg.encoder_layers, x, bias, deterministic=deterministic,
+                              scan=cfg.scan_layers, remat_policy=cfg.remat_policy, config=cfg)
     return x
 
 
@@ -117,9 +118,9 @@ class BartDecoder(nn.Module):
     x = BartEmbeddings(cfg, name="embeddings")(ids, shared, deterministic)
     self_bias = layers.causal_bias(ids.shape[1])
     cross_bias = layers.attention_bias(jnp.ones_like(ids), encoder_ids > 0)
-    layer_cls = layers.maybe_remat(BartDecoderLayer, cfg.remat_policy, static_argnums=(5,))
-    for i in range(cfg.decoder_layers):
-      x = layer_cls(cfg, name=f"layer_{i}")(x, encoded, self_bias, cross_bias, deterministic)
+    x, _ = layers.layer_stack(BartDecoderLayer, cfg.decoder_layers, x, encoded, self_bias, cross_bias,
+                              deterministic=deterministic, scan=cfg.scan_layers, remat_policy=cfg.remat_policy,
+                              config=cfg)
     return x
 
 

@@ -22,6 +22,7 @@ class BertConfig:
   layer_norm_eps: float = 1e-12
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
+  scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
 
   @property
   def head_dim(self) -> int:
@@ -80,10 +81,10 @@ class BertEncoder(nn.Module):
                              cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, name="embeddings")(
                                  input_ids, segment_ids, deterministic)
     bias = layers.attention_bias(input_ids > 0, input_ids > 0)
-    layer_cls = layers.maybe_remat(layers.PostLNEncoderLayer, cfg.remat_policy, static_argnums=(3,))
-    for i in range(cfg.num_layers):
-      x = layer_cls(cfg.num_heads, cfg.head_dim, cfg.mlp_dim, cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype,
-                    name=f"layer_{i}")(x, bias, deterministic)
+    x, _ = layers.layer_stack(
+        layers.PostLNEncoderLayer, cfg.num_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
+        remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
+        dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype)
     return x, word
 
 

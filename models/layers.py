@@ -6,11 +6,13 @@ Activation axes: activation_batch, activation_length, activation_embed, activati
 activation_kv, activation_mlp, activation_vocab. `pretrain/partitioning.py` maps both onto the
 mesh; a model never names a mesh axis itself.
 """
-from typing import Any, Callable, Optional, Sequence
+import re
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -140,6 +142,7 @@ class PostLNEncoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x, bias, deterministic: bool):
+    """-> (x, None): the `layer_stack` protocol."""
     drop = nn.Dropout(self.dropout_rate)
     attn = MultiHeadAttention(self.num_heads, self.head_dim, self.dropout_rate, self.dtype, name="attention")
     x = layer_norm(self.layer_norm_eps, self.dtype, "attention_norm")(
@@ -147,7 +150,7 @@ class PostLNEncoderLayer(nn.Module):
     ffn = FeedForward(self.mlp_dim, 0.0, self.dtype, name="ffn")
     x = layer_norm(self.layer_norm_eps, self.dtype, "ffn_norm")(
         x + drop(ffn(x, deterministic), deterministic=deterministic))
-    return constrain(x, BATCH_LENGTH_EMBED)
+    return constrain(x, BATCH_LENGTH_EMBED), None
 
 
 class PostLNAttentionBlock(nn.Module):
@@ -191,13 +194,93 @@ REMAT_POLICIES = {
 }
 
 
-def maybe_remat(module_cls, policy: str, static_argnums: Sequence[int] = ()):
+def maybe_remat(module_cls, policy: str, static_argnums: Sequence[int] = (), prevent_cse: bool = True):
   """Wraps a layer class in rematerialisation according to a policy name (none/full/dots)."""
   if policy not in REMAT_POLICIES:
     raise ValueError(f"remat_policy={policy!r}: expected one of {sorted(REMAT_POLICIES)}")
   if policy == "none":
     return module_cls
-  return nn.remat(module_cls, policy=REMAT_POLICIES[policy], static_argnums=tuple(static_argnums))
+  return nn.remat(module_cls, policy=REMAT_POLICIES[policy], static_argnums=tuple(static_argnums),
+                  prevent_cse=prevent_cse)
+
+
+# Module names. Params below a `layers` module, and only those, lead with a "layers" axis (the
+# optimizer's per-layer LAMB trust ratio relies on it).
+SCANNED_STACK = "layers"  # a scanned stack of layers with their own params
+SHARED_LAYER = "shared_layer"  # one layer's params applied at every depth, scanned or not
+
+
+def unrolled_layer_name(index: int) -> str:
+  return f"layer_{index}"
+
+
+def stack_layer_params(params):
+  """Params of unrolled layer stacks (`layer_<i>` modules) laid out for the same model with scanned
+  stacks (one `layers` module, each leaf stacked on a leading axis): the same weights, bit for bit."""
+  if not isinstance(params, Mapping):
+    return params
+  out, per_layer = {}, {}
+  for key, value in params.items():
+    match = re.fullmatch(r"layer_(\d+)", key)
+    if match:
+      per_layer[int(match.group(1))] = value
+    else:
+      out[key] = stack_layer_params(value)
+  if per_layer:
+    if sorted(per_layer) != list(range(len(per_layer))):
+      raise ValueError(f"layer params {sorted(per_layer)} are not numbered 0..{len(per_layer) - 1}")
+    out[SCANNED_STACK] = jax.tree.map(lambda *values: np.stack(values), *(per_layer[i] for i in sorted(per_layer)))
+  return out
+
+
+def unstack_layer_params(params):
+  """The inverse of stack_layer_params: a `layers` module's leaves split into `layer_<i>` modules."""
+  if not isinstance(params, Mapping):
+    return params
+  out = {}
+  for key, value in params.items():
+    if key == SCANNED_STACK:
+      for index in range(jax.tree.leaves(value)[0].shape[0]):
+        out[unrolled_layer_name(index)] = jax.tree.map(lambda leaf: np.asarray(leaf[index]), value)
+    else:
+      out[key] = unstack_layer_params(value)
+  return out
+
+
+def layer_stack(layer_cls, num_layers: int, carry, *args, deterministic: bool, scan: bool, remat_policy: str,
+                per_layer_args: Sequence[int] = (), stack_axis: int = 0, shared: bool = False, **layer_attributes):
+  """Applies `num_layers` layers of `layer_cls`, unrolled or as one `nn.scan`; returns (carry, outputs).
+
+  The layer's protocol: `layer(carry, *args, deterministic) -> (carry, output or None)`. Arguments
+  whose positions are in `per_layer_args` hold one slice per layer along `stack_axis`; the others go
+  to every layer. Per-layer outputs come back stacked along `stack_axis` (None if there are none).
+
+  Unrolled, layer i is the module `layer_<i>`. Scanned, one module `layers` holds every layer's params
+  stacked on a leading axis named "layers" (its sharding rule: see pretrain/partitioning.py), and XLA
+  compiles one layer body however deep the stack: compile time and program size stop growing with
+  depth. `shared=True` applies one set of params at every depth (ALBERT): the module `shared_layer`,
+  whose params are the same whether scanned (broadcast to every step) or not.
+  """
+  # Counting self, `deterministic` comes after the carry and args: a Python bool, static under remat.
+  layer_cls = maybe_remat(layer_cls, remat_policy, static_argnums=(len(args) + 2,), prevent_cse=not scan)
+  if scan:
+    in_axes = tuple(stack_axis if i in per_layer_args else nn.broadcast for i in range(len(args)))
+    scanned = nn.scan(layer_cls, variable_axes={} if shared else {"params": 0},
+                      variable_broadcast="params" if shared else False,
+                      split_rngs={"params": not shared, "dropout": True}, in_axes=in_axes + (nn.broadcast,),
+                      out_axes=stack_axis, length=num_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(**layer_attributes, name=SHARED_LAYER if shared else SCANNED_STACK)(carry, *args, deterministic)
+  shared_layer = layer_cls(**layer_attributes, name=SHARED_LAYER) if shared else None
+  outputs = []
+  for index in range(num_layers):
+    layer = shared_layer or layer_cls(**layer_attributes, name=unrolled_layer_name(index))
+    layer_args = [jax.lax.index_in_dim(arg, index, stack_axis, keepdims=False) if i in per_layer_args else arg
+                  for i, arg in enumerate(args)]
+    carry, output = layer(carry, *layer_args, deterministic)
+    outputs.append(output)
+  if outputs[0] is None:
+    return carry, None
+  return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer, axis=stack_axis), *outputs)
 
 
 class TiedLMBias(nn.Module):

@@ -51,6 +51,7 @@ class XLNetConfig:
   attn_type: str = "bi"
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
+  scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
 
   def __post_init__(self):
     if self.attn_type != "bi":
@@ -173,14 +174,20 @@ class RelativeAttention(nn.Module):
 
 
 class XLNetLayer(nn.Module):
-  """Relative attention, then the shared position-wise FFN on each stream: x = LN(x + FFN(x))."""
+  """Relative attention, then the shared position-wise FFN on each stream: x = LN(x + FFN(x)).
+
+  The `layer_stack` protocol: carries the streams (h, g) and returns, per layer, the memory the next
+  segment will see from this layer: its input h appended to `mem`, this layer's current memory.
+  """
   config: XLNetConfig
 
   @nn.compact
-  def __call__(self, h, g, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic):
+  def __call__(self, streams, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic):
     cfg = self.config
+    h, g = streams
+    new_mem = cache_memory(h, mem, cfg.mem_len, cfg.reuse_len)
     h, g = RelativeAttention(cfg, name="rel_attn")(
-        h, g, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic)
+        h, g, mem.astype(cfg.dtype), pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic)
     ffn = layers.FeedForward(cfg.d_inner, cfg.dropout_rate, cfg.dtype, name="ff")
     norm = layers.layer_norm(cfg.layer_norm_eps, cfg.dtype, "ff_norm")
     drop = nn.Dropout(cfg.dropout_rate)
@@ -189,7 +196,7 @@ class XLNetLayer(nn.Module):
       return layers.constrain(norm(x + drop(ffn(x, deterministic), deterministic=deterministic)),
                               layers.BATCH_LENGTH_EMBED)
 
-    return position_wise(h), None if g is None else position_wise(g)
+    return (position_wise(h), None if g is None else position_wise(g)), new_mem
 
 
 class XLNetLMHeadModel(nn.Module):
@@ -230,16 +237,13 @@ class XLNetLMHeadModel(nn.Module):
     pos_emb = drop(pos_emb, deterministic=deterministic)
     shared_biases = None if cfg.untie_r else relative_biases(self, cfg)
 
-    # Argument 10 (counting self) is `deterministic`, a Python bool.
-    layer_cls = layers.maybe_remat(XLNetLayer, cfg.remat_policy, static_argnums=(10,))
-    new_mems = []
-    for i in range(cfg.n_layer):
-      new_mems.append(cache_memory(h, mems[:, i], cfg.mem_len, cfg.reuse_len))
-      h, g = layer_cls(cfg, name=f"layer_{i}")(h, g, mems[:, i].astype(cfg.dtype), pos_emb, seg_diff, mask_h,
-                                              mask_g, target_mapping, shared_biases, deterministic)
+    (h, g), new_mems = layers.layer_stack(
+        XLNetLayer, cfg.n_layer, (h, g), mems, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases,
+        deterministic=deterministic, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, per_layer_args=(0,),
+        stack_axis=1, config=cfg)
 
     output = drop(h if g is None else g, deterministic=deterministic)
     logits = layers.TiedLMBias(cfg.vocab_size, name="lm_loss")(word.attend(output))
     logits = layers.constrain(logits, layers.BATCH_LENGTH_VOCAB)
-    new_mems = layers.constrain(jnp.stack(new_mems, axis=1), MEMORY_AXES)
+    new_mems = layers.constrain(new_mems, MEMORY_AXES)
     return {"logits": logits.astype(jnp.float32), "new_mems": new_mems}

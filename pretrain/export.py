@@ -23,8 +23,6 @@ import re
 import tempfile
 from typing import Dict, Mapping, Optional
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +30,7 @@ from absl import app, flags, logging
 from etils import epath
 
 from data_pipelines import vocab as vocab_lib
+from models import layers
 from pretrain import checkpoints, cli, registry
 from pretrain.hf_mappings import common
 
@@ -76,19 +75,10 @@ def open_checkpoint(model_dir: str, step: Optional[int] = None) -> Checkpoint:
   return Checkpoint(str(model_dir), step, spec, config, vocab_path)
 
 
-def param_shapes(spec: registry.FamilySpec, config) -> Dict[str, tuple]:
-  """{flax path: shape} of every parameter of the family's model with this config."""
-  model = spec.family_cls(config=config).make_model()
-  features = spec.check_batch(config).features
-  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), features))
-  flat = flax.traverse_util.flatten_dict(nn.unbox(abstract["params"]), sep="/")
-  return {path: tuple(leaf.shape) for path, leaf in flat.items()}
-
-
 def restore_params(ckpt: Checkpoint) -> dict:
   params = checkpoints.restore_params(ckpt.model_dir, ckpt.step)
   actual = {path: value.shape for path, value in common.flatten_params(params).items()}
-  expected = param_shapes(ckpt.spec, ckpt.config)
+  expected = ckpt.spec.param_shapes(ckpt.config)
   if actual != expected:
     differing = sorted(set(actual.items()) ^ set(expected.items()))[:4]
     raise ValueError(f"params of step {ckpt.step} do not fit the run_config model_config: {differing}")
@@ -240,7 +230,10 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None, dtype: s
   config = ckpt.spec.finetune_config(ckpt.config)
   diffs = None
   with staged_directory(out) as staging:
-    write_hf(ckpt, config, params, staging, dtype)
+    # HuggingFace keeps weights per layer: a scanned stack's are unstacked. The check below runs the
+    # model as it was trained (scanned or not) against the export.
+    write_hf(ckpt, dataclasses.replace(config, scan_layers=False), layers.unstack_layer_params(params), staging,
+             dtype)
     if check:
       diffs = compare_with_hf(ckpt.spec, config, params, staging, dtype)
       worst = max(diffs, key=diffs.get)

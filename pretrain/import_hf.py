@@ -31,7 +31,7 @@ from pretrain.hf_mappings import common
 
 SPM_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 # Config fields a pretraining run chooses (gin macros of the run files), not properties of the weights.
-RUN_CHOICES = ("dtype", "remat_policy", "dropout_rate", "attention_dropout", "activation_dropout", "mem_len",
+RUN_CHOICES = ("dtype", "remat_policy", "scan_layers", "dropout_rate", "attention_dropout", "activation_dropout", "mem_len",
                "reuse_len", "bi_data", "clamp_len")
 
 
@@ -82,7 +82,7 @@ def import_hf(hf_dir: str, model_dir: str, overwrite: bool = False) -> dict:
   hf_config = json.loads((hf_path / "config.json").read_text())
   spec = registry.from_hf_config(hf_config)
   config = spec.mapping.config_from_hf(hf_config)
-  params = common.from_hf(read_hf_weights(hf_path), spec.mapping.rules(config), export.param_shapes(spec, config))
+  params = common.from_hf(read_hf_weights(hf_path), spec.mapping.rules(config), spec.param_shapes(config))
   spm_path = next((hf_path / name for name in SPM_FILES if (hf_path / name).exists()), None)
   run_config = {**trainer.run_config(spec.family_cls(config=config), None, {}), "imported_from": str(hf_dir)}
   vocab_model, vocab_warning = (str(out / "vocab.model") if spm_path else None), None

@@ -1,7 +1,10 @@
 """Optimizers from optax: AdamW (BERT, XLNet, BART recipes) or LAMB (ALBERT, large-batch BERT),
 linear warmup then linear decay, global-norm clipping, no weight decay on biases and LayerNorm."""
 import jax
+import jax.numpy as jnp
 import optax
+
+from models import layers
 
 
 def warmup_linear_decay(peak_learning_rate: float, warmup_steps: int, total_steps: int,
@@ -11,10 +14,36 @@ def warmup_linear_decay(peak_learning_rate: float, warmup_steps: int, total_step
   return optax.join_schedules([warmup, decay], [warmup_steps])
 
 
+def _is_matrix_or_embedding(path) -> bool:
+  return getattr(path[-1], "key", None) not in ("bias", "scale")
+
+
 def decay_mask(params):
   """True for matrices and embeddings; biases and LayerNorm scales are not decayed (reference BERT)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], "key", None) not in ("bias", "scale"), params)
+  return jax.tree_util.tree_map_with_path(lambda path, _: _is_matrix_or_embedding(path), params)
+
+
+def scale_by_layerwise_trust_ratio() -> optax.GradientTransformation:
+  """LAMB's trust ratio ||w|| / ||update|| for each weight matrix and embedding of each layer.
+
+  A scanned stack holds all its layers' weights in one array (leading axis), so norms are taken per
+  slice there: the same ratios as unrolled layers. Biases and LayerNorm params keep ratio 1, as in
+  the reference LAMB of google-research/bert and albert (exclude_from_layer_adaptation).
+  """
+  def scale(path, update, param):
+    if not _is_matrix_or_embedding(path):
+      return update
+    stacked = any(getattr(key, "key", None) == layers.SCANNED_STACK for key in path)
+    axes = tuple(range(1, param.ndim)) if stacked else None
+    param_norm = jnp.sqrt(jnp.sum(jnp.square(param), axis=axes, keepdims=True))
+    update_norm = jnp.sqrt(jnp.sum(jnp.square(update), axis=axes, keepdims=True))
+    ratio = jnp.where((param_norm == 0) | (update_norm == 0), 1.0, param_norm / update_norm)
+    return update * ratio.astype(update.dtype)
+
+  def update_fn(updates, state, params):
+    return jax.tree_util.tree_map_with_path(scale, updates, params), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def make_optimizer(schedule: optax.Schedule, name: str = "adamw", weight_decay: float = 0.01, b1: float = 0.9,
@@ -22,7 +51,9 @@ def make_optimizer(schedule: optax.Schedule, name: str = "adamw", weight_decay: 
   if name == "adamw":
     update = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
   elif name == "lamb":
-    update = optax.lamb(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
+    update = optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+                         optax.add_decayed_weights(weight_decay, mask=decay_mask),
+                         scale_by_layerwise_trust_ratio(), optax.scale_by_learning_rate(schedule))
   else:
     raise ValueError(f"optimizers.make_optimizer.name={name!r}: expected 'adamw' or 'lamb'")
   return optax.chain(optax.clip_by_global_norm(clip_norm), update) if clip_norm else update

@@ -8,6 +8,8 @@ takes train()'s bound arguments, builds the same Setup (trainer.setup_for_run: m
 shardings, microbatches, remat from the model config) over the devices of the topology and compiles
 the same jitted step (trainer.jit_train_step) for them. It prints the compiler's per-device HBM
 figures, FLOPs and bytes per step, the model's FLOPs, and a roofline estimate of step time and MFU.
+With scanned layers the memory figures are the scanned program's, and its FLOPs and bytes come from
+small unrolled compiles (XLA counts a loop body once).
 `--topology` is libtpu's name, `vN:AxB[xC]` in chips (`v3:16x16` is a v3-512 slice);
 `--num_slices` defaults to the run's NUM_SLICES.
 
@@ -31,6 +33,8 @@ from pretrain import cli
 
 DEFAULT_TOPOLOGY = "v3:16x16"
 GIB = 2 ** 30
+# Model config fields that set the depth of a layer stack (BERT/ALBERT, XLNet, BART's two stacks).
+LAYER_COUNT_FIELDS = ("num_layers", "n_layer", "encoder_layers", "decoder_layers")
 HEADROOM_WARNING = 0.10  # below this fraction of free HBM, fragmentation or a new libtpu may tip it over
 
 
@@ -138,7 +142,7 @@ def model_flops_per_step(setup) -> float:
   inputs need no gradient: XLNet's memory, relative positions and target mapping.)"""
   import jax
   family = setup.family
-  if getattr(family.config, "remat_policy", "none") != "none":
+  if family.config.remat_policy != "none":
     family = dataclasses.replace(family, config=dataclasses.replace(family.config, remat_policy="none"))
   model, state = family.make_model(), setup.abstract_state()
 
@@ -183,6 +187,7 @@ class Plan:
   mesh: dict
   microbatches: int
   remat: str
+  scan_layers: bool  # XLA counts a scanned stack's body once: costs come from unrolled_step_cost
   tokens_per_step: int
   compile_seconds: float = 0.0
   memory: dict = dataclasses.field(default_factory=dict)  # bytes per device
@@ -219,13 +224,17 @@ def setup_lines(p: Plan) -> list:
       f"{p.hbm_limit / GIB:.2f} GiB HBM usable, {p.peak_flops / 1e12:.1f} TFLOP/s bf16 peak, "
       f"{p.hbm_bandwidth / 1e9:.0f} GB/s HBM",
       f"run: {p.family}, {p.parameters / 1e6:.1f}M parameters, global batch {p.batch_size} "
-      f"({p.tokens_per_step} tokens), mesh {p.mesh}, microbatches {p.microbatches}, remat {p.remat}",
+      f"({p.tokens_per_step} tokens), mesh {p.mesh}, microbatches {p.microbatches}, remat {p.remat}, "
+      f"{'scanned' if p.scan_layers else 'unrolled'} layers",
   ]
 
 
 def report_lines(p: Plan) -> list:
   m = p.memory
-  loops = f" (× {p.microbatches} microbatches: XLA counts a loop body once)" if p.microbatches > 1 else ""
+  notes = [f"× {p.microbatches} microbatches: XLA counts a loop body once"] if p.microbatches > 1 else []
+  if p.scan_layers:
+    notes.append("scanned layers: extrapolated from unrolled compiles of 1 and 2 layers")
+  loops = f" ({'; '.join(notes)})" if notes else ""
   times = p.step_seconds()
   bound = max(times, key=times.get)
   mfu = p.model_flops / (p.devices * p.peak_flops * times[bound])
@@ -265,7 +274,8 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
            chip=CHIPS[generation], devices_per_chip=len(devices) / (chips * num_slices),
            family=setup.family.name, parameters=sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
            batch_size=arguments["batch_size"], mesh={k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1},
-           microbatches=setup.microbatches, remat=getattr(setup.family.config, "remat_policy", "none"),
+           microbatches=setup.microbatches, remat=setup.family.config.remat_policy,
+           scan_layers=setup.family.config.scan_layers,
            tokens_per_step=trainer.tokens_per_batch(arguments["batch_size"], arguments["task_feature_lengths"]))
   for line in setup_lines(p):
     show(line)
@@ -276,12 +286,43 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
   stats = compiled.memory_analysis()
   p.memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
               "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+  if p.scan_layers:
+    p.compiled_flops, p.bytes_accessed = unrolled_step_cost(setup, arguments)
+  else:
+    p.compiled_flops, p.bytes_accessed = step_cost(compiled, setup.microbatches)
+  return p
+
+
+def step_cost(compiled, microbatches: int) -> tuple:
+  """(FLOPs, HBM bytes accessed) per device per step, from the compiler's cost analysis."""
   cost = compiled.cost_analysis()
   # The microbatch loop is a lax.scan: its body (nearly all the work) is counted once. Multiplying the
   # whole step over-counts the optimizer update by (microbatches - 1) times, well under 1%.
-  p.compiled_flops = cost["flops"] * p.microbatches
-  p.bytes_accessed = cost["bytes accessed"] * p.microbatches
-  return p
+  return cost["flops"] * microbatches, cost["bytes accessed"] * microbatches
+
+
+def unrolled_step_cost(setup, arguments: dict) -> tuple:
+  """step_cost of the run with its layers unrolled, without compiling them all.
+
+  XLA counts a scanned stack's body once, however deep the stack. The step's cost is linear in each
+  stack's depth, so it is extrapolated from unrolled compiles with one layer per stack and with two
+  in one stack: a few small compiles instead of the full unrolled program.
+  """
+  import numpy as np
+  from pretrain import trainer
+  config = setup.family.config
+  depths = {name: getattr(config, name) for name in LAYER_COUNT_FIELDS if hasattr(config, name)}
+
+  def cost(**depth_overrides) -> np.ndarray:
+    small = dataclasses.replace(config, scan_layers=False, **{**dict.fromkeys(depths, 1), **depth_overrides})
+    small_setup = trainer.setup_for_run(
+        dataclasses.replace(setup.family, config=small), arguments["task_feature_lengths"], arguments["batch_size"],
+        setup.mesh, arguments["optimizer"], arguments["schedule"], arguments["microbatches"], config.vocab_size)
+    return np.array(step_cost(compile_step(small_setup), setup.microbatches))
+
+  one_layer = cost()
+  total = one_layer + sum((depth - 1) * (cost(**{name: 2}) - one_layer) for name, depth in depths.items())
+  return float(total[0]), float(total[1])
 
 
 def _flags(rest: list) -> dict:

@@ -9,6 +9,9 @@ import dataclasses
 from types import ModuleType
 from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
+import flax
+import flax.linen as nn
+import jax
 import numpy as np
 
 from data_pipelines.tasks import FIRST_NORMAL_ID  # ids below are special pieces: check batches avoid them
@@ -61,6 +64,13 @@ class FamilySpec:
 
   def finetune_config(self, config):
     return dataclasses.replace(config, **dict(self.finetune_overrides))
+
+  def param_shapes(self, config) -> Dict[str, tuple]:
+    """{flax path: shape} of every parameter of the family's model with this config."""
+    model = self.family_cls(config=config).make_model()
+    abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), self.check_batch(config).features))
+    flat = flax.traverse_util.flatten_dict(nn.unbox(abstract["params"]), sep="/")
+    return {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
 def _ids(rng, shape, vocab_size: int, lengths: Optional[Sequence[int]] = None) -> np.ndarray:

@@ -17,6 +17,7 @@ from etils import epath
 from jax.sharding import PartitionSpec
 
 from data_pipelines import input_pipeline
+from models import layers
 from pretrain import checkpoints, partitioning
 from pretrain.families.base import Family, weight_totals
 from pretrain.metrics import MetricsWriter
@@ -216,6 +217,31 @@ def _keep_vocabulary(kept: epath.Path, run_vocab: str) -> None:
     kept.write_bytes(model)
 
 
+def _saved_scan_layers(model_dir: str, step: int) -> bool:
+  return bool(checkpoints.read_run_config(model_dir, step)[1]["model_config"].get("scan_layers", False))
+
+
+def _imported_params(setup: Setup, model_dir: str, step: int):
+  """The params of a weights-only checkpoint (pretrain.import_hf writes unrolled layers), sharded and
+  laid out as this run's model has them."""
+  abstract = setup.sharded_abstract_state().params
+  scan = setup.family.config.scan_layers
+  if _saved_scan_layers(model_dir, step) == scan:
+    return checkpoints.restore_params(model_dir, step, abstract)
+  host_params = checkpoints.restore_params(model_dir, step)
+  params = layers.stack_layer_params(host_params) if scan else layers.unstack_layer_params(host_params)
+  return jax.tree.map(lambda target, value: jax.make_array_from_callback(target.shape, target.sharding,
+                                                                         lambda index: value[index]),
+                      abstract, params)
+
+
+def _check_same_layout(setup: Setup, model_dir: str, step: int) -> None:
+  saved = _saved_scan_layers(model_dir, step)
+  if saved != setup.family.config.scan_layers:
+    raise ValueError(f"the checkpoints in {checkpoints.checkpoint_dir(model_dir)} have scan_layers={saved}, this run "
+                     f"sets scan_layers={setup.family.config.scan_layers}: resume with the setting they were saved with")
+
+
 def _state_from_weights(setup: Setup, params, seed: int) -> TrainState:
   """A fresh state around given params: step 0, new optimizer state, rng and carry; data from the start."""
   fresh = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed))
@@ -254,10 +280,10 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   with mesh, nn.logical_axis_rules(setup.rules):
     latest = manager.latest_step()
     if latest is not None and not checkpoints.has_data_iterator(model_dir, latest):  # from pretrain.import_hf
-      params = checkpoints.restore_params(model_dir, latest, setup.sharded_abstract_state().params)
-      state = _state_from_weights(setup, params, seed)
+      state = _state_from_weights(setup, _imported_params(setup, model_dir, latest), seed)
       origin = f"starting from the weights in {checkpoints.checkpoint_dir(model_dir)}: fresh optimizer, step 0"
     elif latest is not None:
+      _check_same_layout(setup, model_dir, latest)
       state = checkpoints.restore(manager, latest, setup.sharded_abstract_state(), train_iterator)
       origin = f"resumed from step {latest} in {checkpoints.checkpoint_dir(model_dir)}"
     else:

@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from models import layers
 from pretrain import checkpoints, export, import_hf, registry
 from pretrain.hf_mappings import bart as bart_mapping
 from pretrain.hf_mappings.common import flatten_params
@@ -152,6 +153,30 @@ def test_round_trip_is_bit_exact_and_training_continues_from_imported_weights(be
   continued = flatten_params(checkpoints.restore_params(str(tmp_path / "imported"), 1))
   assert trained.keys() == continued.keys() and all(np.array_equal(trained[k], continued[k]) for k in trained)
   assert checkpoints.has_data_iterator(str(tmp_path / "imported"), 1)
+
+
+def test_imported_weights_continue_with_scanned_layers_and_export_the_same(bert_dir, tmp_path):
+  export.export(str(bert_dir), str(tmp_path / "hf"))
+  imported = tmp_path / "imported"
+  import_hf.import_hf(str(tmp_path / "hf"), str(imported))
+  keep_weights = ["LEARNING_RATE = 0.0", "VOCAB_MODEL = None"]
+  train(imported, "bert", 1, keep_weights + ["bert.BertConfig.scan_layers = True"],
+        gin_files=[str(imported / "import.gin")])
+  scanned = checkpoints.restore_params(str(imported), 1)
+  assert scanned["encoder"]["layers"]["attention_norm"]["scale"].shape[0] == 2  # SMALL_BERT's 2 layers, stacked
+  trained = flatten_params(checkpoints.restore_params(str(bert_dir), 2))
+  continued = flatten_params(layers.unstack_layer_params(scanned))
+  assert trained.keys() == continued.keys() and all(np.array_equal(trained[k], continued[k]) for k in trained)
+
+  # The export of the scanned checkpoint is checked against the scanned model and holds the same weights.
+  summary = export.export(str(imported), str(tmp_path / "again"))
+  assert max(summary["max_logit_diff"].values()) < export.TOLERANCE
+  first, again = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+  assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+  # Resuming with the other layout would restore an optimizer state of the wrong shape: refused.
+  with pytest.raises(ValueError, match="have scan_layers=True, this run sets scan_layers=False"):
+    train(imported, "bert", 2, keep_weights, gin_files=[str(imported / "import.gin")])
 
 
 # The pretraining frame around one text (ids: <s>=3 </s>=1 [CLS]=4 [SEP]=5) and the padding side.

@@ -1,5 +1,6 @@
 """pretrain.plan compiles the training step for a TPU topology and reports sane figures; a step too big
-for the chip exits with the compiler's out-of-memory line; microbatching and remat keep the maths.
+for the chip exits with the compiler's out-of-memory line; microbatching, remat and scanned layers
+keep the maths.
 
 Run as a script, this file trains a few steps of tiny BERT variants on 4 CPU devices and prints their
 losses as JSON (the equivalence tests run it in a subprocess to get 4 devices).
@@ -43,11 +44,18 @@ def bert_forward_matmul_flops(batch, length, predictions, hidden, layers, mlp, v
   return layers * per_layer + pooler_and_nsp + mlm
 
 
-def test_plan_of_a_tiny_bert_on_a_v3_8_fits_with_sane_figures():
-  result = run_plan("--gin.MESH_SHAPE={'data': 4, 'model': 2}", "--gin.MICROBATCHES=2",
-                    "--gin.bert.BertConfig.vocab_size=2048")
+TINY_PLAN = ("--gin.MESH_SHAPE={'data': 4, 'model': 2}", "--gin.MICROBATCHES=2", "--gin.bert.BertConfig.vocab_size=2048")
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+  result = run_plan(*TINY_PLAN)
   assert result.returncode == 0, result.stderr[-3000:]
-  out = result.stdout
+  return result.stdout
+
+
+def test_plan_of_a_tiny_bert_on_a_v3_8_fits_with_sane_figures(tiny_plan):
+  out = tiny_plan
   assert "8 devices (TPU v3)" in out and "microbatches 2" in out, out
   total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", out)
   assert 0 < total < limit and limit == V3_USABLE_GIB
@@ -64,6 +72,18 @@ def test_plan_of_a_tiny_bert_on_a_v3_8_fits_with_sane_figures():
   assert per_device < compiled < 2 * per_device
   step, mfu = figure(r"step >= ([\d.e+-]+) s, MFU <= ([\d.]+)%", out)
   assert step > 0 and 0 < mfu <= 100
+
+
+def test_scanned_layers_are_costed_as_if_unrolled(tiny_plan):
+  # XLA counts a scanned stack's body once: with 2 layers, reading its figure as is would halve them.
+  result = run_plan(*TINY_PLAN, "--gin.bert.BertConfig.scan_layers=True")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "scanned layers" in result.stdout
+  for pattern in (r"compiled FLOPs per device per step: ([\d.e+]+)", r"HBM bytes accessed per device per step: ([\d.e+]+)",
+                  r"model FLOPs per step: ([\d.e+]+)"):
+    assert figure(pattern, result.stdout) == pytest.approx(figure(pattern, tiny_plan), rel=0.02), pattern
+  total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", result.stdout)
+  assert 0 < total < limit
 
 
 def test_a_step_too_big_for_the_chip_exits_with_the_compilers_out_of_memory_line():
@@ -92,7 +112,11 @@ def test_an_unknown_topology_name_fails_with_one_line():
 
 # --- microbatching and remat keep the training maths -------------------------------------------
 
-VARIANTS = {"plain": [], "microbatches": ["MICROBATCHES = 2"], "remat": ["bert.BertConfig.remat_policy = 'full'"]}
+SCAN = "bert.BertConfig.scan_layers = True"
+VARIANTS = {"plain": [], "microbatches": ["MICROBATCHES = 2"], "remat": ["bert.BertConfig.remat_policy = 'full'"],
+            "scan": [SCAN], "lamb": ["OPTIMIZER = 'lamb'"],
+            "lamb_scan_remat_microbatches": ["OPTIMIZER = 'lamb'", SCAN, "bert.BertConfig.remat_policy = 'full'",
+                                             "MICROBATCHES = 2"]}
 STEPS, BATCH, LENGTH, PREDICTIONS, VOCAB = 3, 8, 32, 5, 512
 
 
@@ -115,16 +139,22 @@ def synthetic_batches(shapes, equal_weights: bool):
 
 
 def train_variants() -> dict:
-  """Losses of STEPS steps of each variant on the same batches, through the trainer's own Setup and step."""
+  """Losses of STEPS steps of each variant on the same batches, through the trainer's own Setup and step.
+
+  Every variant starts from the plain variant's initial weights (scanned variants: the same weights
+  stacked), so that only the step's arithmetic differs.
+  """
   import gin
   import jax
   import flax.linen as nn
+  from models import layers
   from pretrain import cli, partitioning, plan, trainer
-  losses = {}
+  losses, initial = {}, {}
   for name, bindings in VARIANTS.items():
     gin.clear_config()
     cli.parse_gin([RUN], ["bert.BertConfig.hidden_size = 32", "bert.BertConfig.mlp_dim = 64",
                           "bert.BertConfig.dropout_rate = 0.0",  # a microbatch draws its own dropout masks
+                          "LEARNING_RATE = 1e-2", "WARMUP_STEPS = 1",  # steps that change the losses visibly
                           f"TASK_FEATURE_LENGTHS = {{'input_ids': {LENGTH}, 'masked_positions': {PREDICTIONS}}}",
                           f"BATCH_SIZE = {BATCH}", "MESH_SHAPE = {'data': 2, 'model': 2}", *bindings])
     args = plan.train_arguments()
@@ -135,6 +165,11 @@ def train_variants() -> dict:
       step = trainer.jit_train_step(setup)
       for weights in ("equal", "varying"):
         state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(0))
+        initial.setdefault("params", jax.device_get(state.params))
+        params = initial["params"]
+        if setup.family.config.scan_layers:
+          params = layers.stack_layer_params(params)
+        state = state.replace(params=jax.device_put(params, setup.state_shardings.params))
         losses.setdefault(name, {})[weights] = []
         for batch in synthetic_batches(setup.batch_shapes, weights == "equal"):
           state, metrics = step(state, partitioning.global_batch(batch, mesh))
@@ -153,6 +188,19 @@ def variant_losses():
 def test_full_remat_gives_the_plain_steps_losses(variant_losses):
   np.testing.assert_allclose(variant_losses["remat"]["equal"], variant_losses["plain"]["equal"], rtol=1e-6)
   np.testing.assert_allclose(variant_losses["remat"]["varying"], variant_losses["plain"]["varying"], rtol=1e-6)
+
+
+def test_scanned_layers_give_the_plain_steps_losses(variant_losses):
+  for weights in ("equal", "varying"):
+    np.testing.assert_allclose(variant_losses["scan"][weights], variant_losses["plain"][weights], rtol=1e-5)
+
+
+def test_lamb_with_scan_remat_and_microbatches_gives_the_plain_lamb_steps_losses(variant_losses):
+  # The options together, under LAMB (whose per-layer trust ratio test_scan_layers.py checks closely).
+  for weights in ("equal", "varying"):
+    np.testing.assert_allclose(variant_losses["lamb_scan_remat_microbatches"][weights],
+                               variant_losses["lamb"][weights], rtol=1e-5)
+    assert variant_losses["lamb"][weights][-1] != pytest.approx(variant_losses["plain"][weights][-1], rel=1e-3)
 
 
 def test_microbatching_gives_the_plain_steps_losses(variant_losses):

@@ -3,12 +3,13 @@
 HF ALBERT expresses sharing as layer groups; this mapping covers the paper's default, one group of
 one layer serving every layer (share='all'). The ablation modes have no HF equivalent.
 """
+from models import layers
 from models.albert import AlbertConfig
 from pretrain.hf_mappings.bert import attention_rules, dense_rules, norm_rules, pretraining_head_rules
 from pretrain.hf_mappings.common import Rule
 
 HF_CLASS = "AlbertForPreTraining"
-SHARED_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.0"
+HF_SHARED_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.0"
 GELU_NAMES = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # HF name -> approximate_gelu
 
 
@@ -24,12 +25,13 @@ def rules(config: AlbertConfig) -> list:
          Rule("encoder/embeddings/token_type/embedding", "albert.embeddings.token_type_embeddings.weight")]
   out += norm_rules("encoder/embeddings/norm", "albert.embeddings.LayerNorm")
   out += dense_rules("encoder/embedding_projection", "albert.encoder.embedding_hidden_mapping_in")
-  out += attention_rules("encoder/shared_attention/attention", f"{SHARED_LAYER}.attention")
-  out += dense_rules("encoder/shared_attention/attention/output", f"{SHARED_LAYER}.attention.dense", num_in_dims=2)
-  out += norm_rules("encoder/shared_attention/norm", f"{SHARED_LAYER}.attention.LayerNorm")
-  out += dense_rules("encoder/shared_ffn/mlp/intermediate", f"{SHARED_LAYER}.ffn")
-  out += dense_rules("encoder/shared_ffn/mlp/output", f"{SHARED_LAYER}.ffn_output")
-  out += norm_rules("encoder/shared_ffn/norm", f"{SHARED_LAYER}.full_layer_layer_norm")
+  ours = f"encoder/{layers.SHARED_LAYER}"  # the same whether scanned or not
+  out += attention_rules(f"{ours}/attention/attention", f"{HF_SHARED_LAYER}.attention")
+  out += dense_rules(f"{ours}/attention/attention/output", f"{HF_SHARED_LAYER}.attention.dense", num_in_dims=2)
+  out += norm_rules(f"{ours}/attention/norm", f"{HF_SHARED_LAYER}.attention.LayerNorm")
+  out += dense_rules(f"{ours}/ffn/mlp/intermediate", f"{HF_SHARED_LAYER}.ffn")
+  out += dense_rules(f"{ours}/ffn/mlp/output", f"{HF_SHARED_LAYER}.ffn_output")
+  out += norm_rules(f"{ours}/ffn/norm", f"{HF_SHARED_LAYER}.full_layer_layer_norm")
   out += pretraining_head_rules("sop", pooler="albert.pooler", pair="sop_classifier.classifier",
                                 transform="predictions.dense", transform_norm="predictions.LayerNorm",
                                 output_bias="predictions.bias")

@@ -69,7 +69,7 @@ _TOPOLOGY = re.compile(r"(v\d+[a-z]*):(\d+(?:x\d+)*)")
 
 # train()'s arguments that shape the compiled step; the rest (paths, schedule of logging) do not.
 STEP_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "mesh_shape",
-                  "optimizer", "schedule", "microbatches", "num_slices")
+                  "optimizer", "schedule", "microbatches", "per_device_batch", "num_slices")
 
 
 class DoesNotFit(Exception):
@@ -138,13 +138,16 @@ def matmul_flops(jaxpr) -> float:
 
 def model_flops_per_step(setup) -> float:
   """Matmul FLOPs of one step's forward and backward pass at the global batch, counted in the program
-  with remat off: MFU's model FLOPs exclude recomputation. (3 × forward over-counts matmuls whose
+  with remat off and layers unrolled: MFU's model FLOPs exclude recomputation, and the backward pass
+  of a scan computes a few products an unrolled one skips. (3 × forward over-counts matmuls whose
   inputs need no gradient: XLNet's memory, relative positions and target mapping.)"""
   import jax
-  family = setup.family
-  if family.config.remat_policy != "none":
-    family = dataclasses.replace(family, config=dataclasses.replace(family.config, remat_policy="none"))
-  model, state = family.make_model(), setup.abstract_state()
+  from pretrain import trainer
+  config = dataclasses.replace(setup.family.config, remat_policy="none", scan_layers=False)
+  family = dataclasses.replace(setup.family, config=config)
+  plain = trainer.build_setup(family, setup.batch_shapes, setup.optimizer, setup.schedule, setup.mesh, setup.rules,
+                              setup.microbatches)
+  model, state = family.make_model(), plain.abstract_state()
 
   def loss(params, batch, carry):
     outputs, _ = family.forward(model, params, batch, carry, rngs={}, deterministic=True)
@@ -269,7 +272,7 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
   family, task = arguments["family"], arguments["mixture_or_task_name"]
   setup = trainer.setup_for_run(family, arguments["task_feature_lengths"], arguments["batch_size"], mesh,
                                 arguments["optimizer"], arguments["schedule"], arguments["microbatches"],
-                                vocab_size(family, task))
+                                vocab_size(family, task), arguments["per_device_batch"])
   p = Plan(topology=topology, num_slices=num_slices, devices=len(devices), device_kind=devices[0].device_kind,
            chip=CHIPS[generation], devices_per_chip=len(devices) / (chips * num_slices),
            family=setup.family.name, parameters=sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
@@ -286,6 +289,9 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
   stats = compiled.memory_analysis()
   p.memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
               "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+  if p.hbm_total > p.hbm_limit:  # the compiler does not always refuse (seen with scanned layers)
+    raise DoesNotFit(f"the compiled step needs {p.hbm_total / GIB:.2f} GiB per device (temporaries "
+                     f"{p.memory['temporaries'] / GIB:.2f} GiB), more than the {p.hbm_limit / GIB:.2f} GiB usable")
   if p.scan_layers:
     p.compiled_flops, p.bytes_accessed = unrolled_step_cost(setup, arguments)
   else:
@@ -317,7 +323,7 @@ def unrolled_step_cost(setup, arguments: dict) -> tuple:
     small = dataclasses.replace(config, scan_layers=False, **{**dict.fromkeys(depths, 1), **depth_overrides})
     small_setup = trainer.setup_for_run(
         dataclasses.replace(setup.family, config=small), arguments["task_feature_lengths"], arguments["batch_size"],
-        setup.mesh, arguments["optimizer"], arguments["schedule"], arguments["microbatches"], config.vocab_size)
+        setup.mesh, arguments["optimizer"], arguments["schedule"], setup.microbatches, config.vocab_size)
     return np.array(step_cost(compile_step(small_setup), setup.microbatches))
 
   one_layer = cost()

@@ -83,14 +83,27 @@ def build_setup(family: Family, batch_shapes, optimizer, schedule, mesh, rules, 
   return Setup(family, model, optimizer, schedule, mesh, rules, state_shardings, dict(batch_shapes), microbatches)
 
 
+def resolve_microbatches(batch_size: int, shards: int, microbatches: int, per_device_batch: Optional[int]) -> int:
+  """MICROBATCHES, or the number that gives each batch shard PER_DEVICE_BATCH rows at a time."""
+  if per_device_batch is None:
+    return microbatches
+  if microbatches != 1:
+    raise ValueError(f"MICROBATCHES={microbatches} and PER_DEVICE_BATCH={per_device_batch}: set one of them")
+  if per_device_batch < 1 or batch_size % (shards * per_device_batch):
+    raise ValueError(f"PER_DEVICE_BATCH={per_device_batch} does not divide the {batch_size / shards:g} rows that each "
+                     f"of the mesh's {shards} batch shards gets from BATCH_SIZE={batch_size}")
+  return batch_size // (shards * per_device_batch)
+
+
 def setup_for_run(family: Family, task_feature_lengths: Mapping[str, int], batch_size: int, mesh,
                   optimizer: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int,
-                  vocab_size: int) -> Setup:
+                  vocab_size: int, per_device_batch: Optional[int] = None) -> Setup:
   """The Setup `train` runs, from its gin-bound arguments and the vocabulary size; reads no data.
 
   pretrain.plan compiles this same Setup for a TPU topology, so its figures are the training step's.
   """
   shards = partitioning.batch_shards(mesh)
+  microbatches = resolve_microbatches(batch_size, shards, microbatches, per_device_batch)
   if batch_size % (microbatches * shards):
     raise ValueError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches} × the mesh's "
                      f"{shards} batch shards")
@@ -253,10 +266,12 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
           eval_every_steps: int = 1000, eval_steps: int = 10, keep_checkpoints: int = 3, seed: int = 0,
-          microbatches: int = 1, num_slices: int = 1,
+          microbatches: int = 1, per_device_batch: Optional[int] = None, num_slices: int = 1,
           data_shards: Optional[int] = None) -> Dict[str, Any]:
   """Trains until `train_steps`, resuming from the latest checkpoint in model_dir if there is one.
 
+  Gradient accumulation: `microbatches` slices per step, or as many as give each batch shard (a
+  data-parallel group of devices) `per_device_batch` rows at a time.
   `data_shards`: how many seqio shards make up the global batch (default: one per process).
   Returns a summary: first and last logged loss, steps run this call, checkpoint directory.
   """
@@ -268,7 +283,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                                       seed=seed, num_data_shards=family.data_shards(batch_size) or data_shards,
                                       reverse_odd_rows=family.reverse_odd_rows())
   setup = setup_for_run(family, task_feature_lengths, batch_size, mesh, optimizer, schedule, microbatches,
-                        data.vocabulary.vocab_size)
+                        data.vocabulary.vocab_size, per_device_batch)
   family = setup.family
 
   model_path = epath.Path(model_dir)

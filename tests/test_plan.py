@@ -115,8 +115,9 @@ def test_an_unknown_topology_name_fails_with_one_line():
 SCAN = "bert.BertConfig.scan_layers = True"
 VARIANTS = {"plain": [], "microbatches": ["MICROBATCHES = 2"], "remat": ["bert.BertConfig.remat_policy = 'full'"],
             "scan": [SCAN], "lamb": ["OPTIMIZER = 'lamb'"],
+            # PER_DEVICE_BATCH 2 of the 4 rows per batch shard: 2 microbatches.
             "lamb_scan_remat_microbatches": ["OPTIMIZER = 'lamb'", SCAN, "bert.BertConfig.remat_policy = 'full'",
-                                             "MICROBATCHES = 2"]}
+                                             "PER_DEVICE_BATCH = 2"]}
 STEPS, BATCH, LENGTH, PREDICTIONS, VOCAB = 3, 8, 32, 5, 512
 
 
@@ -160,7 +161,9 @@ def train_variants() -> dict:
     args = plan.train_arguments()
     mesh = partitioning.make_mesh(args["mesh_shape"])
     setup = trainer.setup_for_run(args["family"], args["task_feature_lengths"], args["batch_size"], mesh,
-                                  args["optimizer"], args["schedule"], args["microbatches"], VOCAB)
+                                  args["optimizer"], args["schedule"], args["microbatches"], VOCAB,
+                                  args["per_device_batch"])
+    losses[name] = {"microbatches": setup.microbatches}
     with mesh, nn.logical_axis_rules(setup.rules):
       step = trainer.jit_train_step(setup)
       for weights in ("equal", "varying"):
@@ -170,7 +173,7 @@ def train_variants() -> dict:
         if setup.family.config.scan_layers:
           params = layers.stack_layer_params(params)
         state = state.replace(params=jax.device_put(params, setup.state_shardings.params))
-        losses.setdefault(name, {})[weights] = []
+        losses[name][weights] = []
         for batch in synthetic_batches(setup.batch_shapes, weights == "equal"):
           state, metrics = step(state, partitioning.global_batch(batch, mesh))
           losses[name][weights].append(float(metrics["loss"]))
@@ -197,6 +200,7 @@ def test_scanned_layers_give_the_plain_steps_losses(variant_losses):
 
 def test_lamb_with_scan_remat_and_microbatches_gives_the_plain_lamb_steps_losses(variant_losses):
   # The options together, under LAMB (whose per-layer trust ratio test_scan_layers.py checks closely).
+  assert variant_losses["lamb_scan_remat_microbatches"]["microbatches"] == 2
   for weights in ("equal", "varying"):
     np.testing.assert_allclose(variant_losses["lamb_scan_remat_microbatches"][weights],
                                variant_losses["lamb"][weights], rtol=1e-5)

@@ -50,15 +50,16 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
   assert list((tmp_path / "tensorboard" / "train").iterdir())
 
 
-@pytest.mark.parametrize("run", ["bert_tiny_demo", "xlnet_tiny_demo"])
-def test_resume_is_exact(tmp_path, run):
+@pytest.mark.parametrize("run, layout", [("bert_tiny_demo", []), ("xlnet_tiny_demo", ["xlnet.XLNetConfig.scan_layers = True"])])
+def test_resume_is_exact(tmp_path, run, layout):
   """A run stopped at step 5 and resumed logs the losses of an uninterrupted one.
 
   The learning-rate schedule is pinned to 12 steps so that stopping early (TRAIN_STEPS = 5) does not
-  change it; XLNet also carries its memory through the checkpoint.
+  change it; XLNet also carries its memory through the checkpoint, and runs with scanned layers.
   """
   straight, split = tmp_path / "straight", tmp_path / "split"
-  bindings = ["LOG_EVERY_STEPS = 1", "CHECKPOINT_EVERY_STEPS = 5", "optimizers.warmup_linear_decay.total_steps = 12"]
+  bindings = ["LOG_EVERY_STEPS = 1", "CHECKPOINT_EVERY_STEPS = 5", "optimizers.warmup_linear_decay.total_steps = 12",
+              *layout]
   run_training(straight, 12, bindings, run)
   run_training(split, 5, bindings, run)
   run_training(split, 12, bindings, run)  # resumes from step 5
@@ -89,6 +90,8 @@ def test_one_device_and_eight_devices_agree(tmp_path):
     (["--gin.NO_SUCH_MACRO_OR_CONFIG.x=1"], "NO_SUCH_MACRO_OR_CONFIG"),
     (["--gin.MIXTURE_OR_TASK_NAME='no_such_task'"], "unknown task or mixture 'no_such_task'"),
     (["--gin.TRAIN_FILES='/nonexistent/*.txt'"], "TRAIN_FILES='/nonexistent/*.txt' matches no files"),
+    (["--gin.PER_DEVICE_BATCH=3"], "PER_DEVICE_BATCH=3 does not divide the 32 rows"),
+    (["--gin.PER_DEVICE_BATCH=8", "--gin.MICROBATCHES=2"], "MICROBATCHES=2 and PER_DEVICE_BATCH=8: set one of them"),
 ])
 def test_bad_configuration_fails_with_one_line(args, message):
   result = _cli(["--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin.MODEL_DIR='/tmp/unused'", *args],

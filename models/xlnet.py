@@ -176,8 +176,8 @@ class RelativeAttention(nn.Module):
 class XLNetLayer(nn.Module):
   """Relative attention, then the shared position-wise FFN on each stream: x = LN(x + FFN(x)).
 
-  The `layer_stack` protocol: carries the streams (h, g) and returns, per layer, the memory the next
-  segment will see from this layer: its input h appended to `mem`, this layer's current memory.
+  The `layer_stack` protocol: carries the streams (h, g); its per-layer output is this layer's
+  memory for the next segment (cache_memory of `mem` followed by the layer's input h).
   """
   config: XLNetConfig
 

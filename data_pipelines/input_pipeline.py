@@ -52,17 +52,24 @@ class InputPipeline:
   def has_split(self, split: str) -> bool:
     return split in self.task.splits
 
+  def data_shard(self, index: int) -> tuple:
+    """(task name, seqio shard) that data shard `index` of the global batch reads.
+
+    With reverse_odd_rows, shards pair up: both read one of num_data_shards / 2 parts of the data,
+    the even one forwards and the odd one backwards (`<task>_reversed`).
+    """
+    if not self.reverse_odd_rows:
+      return self.task.name, seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
+    task_name = f"{self.task.name}_reversed" if index % 2 else self.task.name
+    return task_name, seqio.ShardInfo(index=index // 2, num_shards=self.num_data_shards // 2)
+
   def dataset(self, split: str, shuffle: bool, repeat: bool) -> tf.data.Dataset:
     rows_per_shard = self.host_batch_size // self.shards_per_process
     parts = []
     # Tasks whose consecutive examples continue each other disallow shuffling after preprocessing.
     shuffle = shuffle and self.task.shuffle_buffer_size is not None
     for i in range(self.shards_per_process):
-      index = self.process_index * self.shards_per_process + i
-      task_name = self.task.name
-      if self.reverse_odd_rows and index % 2:
-        task_name, index = f"{task_name}_reversed", index - 1
-      shard = seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
+      task_name, shard = self.data_shard(self.process_index * self.shards_per_process + i)
       ds = seqio.get_dataset(task_name, self.feature_lengths, self.converter, dataset_split=split,
                              shuffle=shuffle, num_epochs=None if repeat else 1, shard_info=shard, seed=self.seed,
                              verbose=False)

@@ -121,9 +121,6 @@ class AlbertForPreTraining(nn.Module):
   @nn.compact
   def __call__(self, features, deterministic: bool = True):
     cfg = self.config
-    length = features["input_ids"].shape[1]
-    if length > cfg.max_position_embeddings:
-      raise ValueError(f"sequence length {length} exceeds max_position_embeddings={cfg.max_position_embeddings}")
     hidden, word = AlbertEncoder(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
     mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, features=cfg.embedding_size,
                                    approximate_gelu=cfg.approximate_gelu, name="mlm")

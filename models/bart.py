@@ -55,8 +55,7 @@ class BartEmbeddings(nn.Module):
   def __call__(self, ids, shared: nn.Embed, deterministic: bool):
     cfg = self.config
     length = ids.shape[1]
-    if length > cfg.max_position_embeddings:
-      raise ValueError(f"sequence length {length} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+    layers.check_sequence_length(length, cfg.max_position_embeddings)
     position = layers.embedding(cfg.max_position_embeddings + POSITION_OFFSET, cfg.d_model, ("position", "embed"),
                                 cfg.dtype, "position")
     scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0

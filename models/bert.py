@@ -41,6 +41,7 @@ class BertEmbeddings(nn.Module):
 
   @nn.compact
   def __call__(self, input_ids, segment_ids, deterministic: bool):
+    layers.check_sequence_length(input_ids.shape[1], self.max_position_embeddings)
     word = layers.embedding(self.vocab_size, self.features, ("vocab", "embed"), self.dtype, "word")
     position = layers.embedding(self.max_position_embeddings, self.features, ("position", "embed"), self.dtype, "position")
     token_type = layers.embedding(self.type_vocab_size, self.features, ("token_type", "embed"), self.dtype, "token_type")

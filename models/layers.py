@@ -78,6 +78,13 @@ def embedding(num: int, features: int, axes: Sequence[str], dtype: Dtype, name: 
   )
 
 
+def check_sequence_length(length: int, max_position_embeddings: int) -> None:
+  """Learned positions stop at the table's end: a longer sequence is a configuration error (an
+  embedding lookup past the table would give NaN, not an error)."""
+  if length > max_position_embeddings:
+    raise ValueError(f"sequence length {length} exceeds max_position_embeddings={max_position_embeddings}")
+
+
 def attention_bias(query_mask: jax.Array, key_mask: jax.Array, dtype: Dtype = jnp.float32) -> jax.Array:
   """[batch, 1, q, k] additive bias: 0 where both positions are real, a large negative elsewhere."""
   allowed = query_mask[:, None, :, None] * key_mask[:, None, None, :]

@@ -188,15 +188,10 @@ class XLNetLayer(nn.Module):
     new_mem = cache_memory(h, mem, cfg.mem_len, cfg.reuse_len)
     h, g = RelativeAttention(cfg, name="rel_attn")(
         h, g, mem.astype(cfg.dtype), pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic)
-    ffn = layers.FeedForward(cfg.d_inner, cfg.dropout_rate, cfg.dtype, name="ff")
-    norm = layers.layer_norm(cfg.layer_norm_eps, cfg.dtype, "ff_norm")
-    drop = nn.Dropout(cfg.dropout_rate)
-
-    def position_wise(x):
-      return layers.constrain(norm(x + drop(ffn(x, deterministic), deterministic=deterministic)),
-                              layers.BATCH_LENGTH_EMBED)
-
-    return (position_wise(h), None if g is None else position_wise(g)), new_mem
+    # x = LN(x + Dropout(FFN(x))), with dropout after the activation too, as the reference.
+    position_wise = layers.PostLNFeedForwardBlock(cfg.d_inner, cfg.dropout_rate, cfg.dropout_rate,
+                                                  cfg.layer_norm_eps, cfg.dtype, name="ff")
+    return (position_wise(h, deterministic), None if g is None else position_wise(g, deterministic)), new_mem
 
 
 class XLNetLMHeadModel(nn.Module):

@@ -147,7 +147,7 @@ def model_flops_per_step(setup) -> float:
   family = dataclasses.replace(setup.family, config=config)
   plain = trainer.build_setup(family, setup.batch_shapes, setup.optimizer, setup.schedule, setup.mesh, setup.rules,
                               setup.microbatches)
-  model, state = family.make_model(), plain.abstract_state()
+  model, state = plain.model, plain.abstract_state()
 
   def loss(params, batch, carry):
     outputs, _ = family.forward(model, params, batch, carry, rngs={}, deterministic=True)

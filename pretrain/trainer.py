@@ -257,9 +257,11 @@ def _check_same_layout(setup: Setup, model_dir: str, step: int) -> None:
 
 def _state_from_weights(setup: Setup, params, seed: int) -> TrainState:
   """A fresh state around given params: step 0, new optimizer state, rng and carry; data from the start."""
-  fresh = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed))
-  opt_state = jax.jit(setup.optimizer.init, out_shardings=setup.state_shardings.opt_state)(params)
-  return fresh.replace(params=params, opt_state=opt_state)
+  # One program, so XLA drops the random params init_state would make and never holds two states.
+  def fresh(rng, params):
+    return setup.init_state(rng).replace(params=params, opt_state=setup.optimizer.init(params))
+
+  return jax.jit(fresh, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed), params)
 
 
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],

@@ -3,6 +3,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -51,3 +52,12 @@ def test_masked_positions_gather_the_same_logits():
   positions = jnp.asarray([[1, 5, 7], [0, 2, 11]])
   gathered = model.apply({"params": params}, {**features, "masked_positions": positions})["mlm_logits"]
   np.testing.assert_allclose(gathered, jnp.take_along_axis(full, positions[..., None], axis=1), atol=1e-5)
+
+
+def test_a_sequence_longer_than_the_position_table_is_an_error():
+  # The lookup past the table would not fail by itself: it yields NaN logits.
+  model = BertForPreTraining(BertConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32,
+                                        max_position_embeddings=8))
+  ids = np.full((1, 12), 9, np.int32)
+  with pytest.raises(ValueError, match="sequence length 12 exceeds max_position_embeddings=8"):
+    model.init(jax.random.PRNGKey(0), {"input_ids": ids, "segment_ids": np.zeros_like(ids)})

@@ -25,10 +25,9 @@ def _unit_ids(maskable: tf.Tensor, word_start: tf.Tensor, whole_word: bool):
   return tf.where(maskable, unit, -1), tf.reduce_sum(tf.cast(starts, tf.int32))
 
 
-def _take_while_fits(order: tf.Tensor, sizes: tf.Tensor, eligible: tf.Tensor, budget: tf.Tensor) -> tf.Tensor:
-  """bool over items: walking `order`, take eligible items whose running size stays within budget."""
-  sizes_in_order = tf.gather(tf.where(eligible, sizes, 0), order)
-  taken_in_order = (tf.cumsum(sizes_in_order) <= budget) & tf.gather(eligible, order)
+def _take_while_fits(order: tf.Tensor, sizes: tf.Tensor, budget: tf.Tensor) -> tf.Tensor:
+  """bool over items: walking `order`, take items while their running size stays within budget."""
+  taken_in_order = tf.cumsum(tf.gather(sizes, order)) <= budget
   return tf.scatter_nd(order[:, None], taken_in_order, tf.shape(sizes))
 
 
@@ -67,7 +66,7 @@ def choose_masked_positions(maskable, word_start, num_to_predict, seed, *, max_n
   ngram_sizes = tf.math.unsorted_segment_sum(unit_sizes, ngram_of_unit, tf.size(ngram_starts))
 
   ngram_order = tf.argsort(tf.random.stateless_uniform(tf.shape(ngram_sizes), seeds[1]))
-  ngram_taken = _take_while_fits(ngram_order, ngram_sizes, tf.ones_like(ngram_sizes, tf.bool), num_to_predict)
+  ngram_taken = _take_while_fits(ngram_order, ngram_sizes, num_to_predict)
   unit_taken = tf.gather(ngram_taken, ngram_of_unit)
 
   # Top up with single units that still fit: the last n-gram rarely fills the budget exactly.

@@ -21,7 +21,7 @@ import tensorflow as tf
 NSP, SOP = "nsp", "sop"
 
 
-def _randint(seed, low, high):
+def randint(seed, low, high):
   """Uniform int32 in [low, high] inclusive."""
   return tf.random.stateless_uniform([], seed, minval=low, maxval=high + 1, dtype=tf.int32)
 
@@ -29,7 +29,7 @@ def _randint(seed, low, high):
 def _random_continuation(lengths, target_tokens, seed):
   """Sentence range [start, end) of a document starting at a random sentence, with >= target_tokens."""
   count = tf.size(lengths)
-  start = _randint(seed, 0, count - 1)
+  start = randint(seed, 0, count - 1)
   cumulative = tf.cumsum(lengths)
   wanted = cumulative[start] - lengths[start] + target_tokens
   end = tf.cast(tf.searchsorted(cumulative, [wanted], side="left")[0], tf.int32) + 1
@@ -49,7 +49,7 @@ def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_p
   num_sentences = tf.size(lengths)
   seeds = tf.random.experimental.stateless_split(seed, 2)
   short = tf.random.stateless_uniform([], seeds[0]) < short_seq_prob
-  target = tf.where(short, _randint(seeds[1], 2, max_num_tokens), max_num_tokens)
+  target = tf.where(short, randint(seeds[1], 2, max_num_tokens), max_num_tokens)
 
   def body(step, i, chunk_start, chunk_tokens, pairs):
     chunk_tokens += lengths[i]
@@ -58,7 +58,7 @@ def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_p
     # draw afresh (reusing i's coin made every later pair of a random-next chunk random-next too).
     step_seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(seed, step), 4)
     n = i - chunk_start + 1
-    a_end = chunk_start + tf.where(n >= 2, _randint(step_seeds[0], 1, tf.maximum(n - 1, 1)), 1)
+    a_end = chunk_start + tf.where(n >= 2, randint(step_seeds[0], 1, tf.maximum(n - 1, 1)), 1)
     coin = tf.random.stateless_uniform([], step_seeds[1]) < 0.5
     if mode == NSP:
       random_next = (n == 1) | (coin & other_is_distinct)

@@ -20,6 +20,7 @@ import seqio
 import tensorflow as tf
 
 from data_pipelines.objectives.mlm import choose_masked_positions, ngram_length_probs
+from data_pipelines.objectives.nsp_sop import randint
 
 _SPECIAL_SEGMENT = 2  # segment id of <cls>
 
@@ -69,11 +70,6 @@ def _stream_windows(tokens: tf.data.Dataset, *, reuse_len: int, window_len: int)
   return chunks.window(chunks_per_window, shift=1, drop_remainder=True).flat_map(join_chunks)
 
 
-def _randint(seed, low, high):
-  """Uniform int32 in [low, high] inclusive."""
-  return tf.random.stateless_uniform([], seed, minval=low, maxval=high + 1, dtype=tf.int32)
-
-
 def _first(flags, default):
   """Index of the first True, else default."""
   return tf.reduce_min(tf.where(flags, tf.range(tf.size(flags)), default))
@@ -113,7 +109,7 @@ def split_a_and_b(window, other, seed, *, begin: int, total: int):
   end = _first(starts & (offsets >= total), window_len)
   cuts = tf.cast(tf.where(starts & (offsets >= 1) & (offsets < total))[:, 0], tf.int32)
   num_cuts = tf.size(cuts)
-  a_end = tf.gather(tf.concat([cuts, [end]], 0), _randint(cut_seed, 0, tf.maximum(num_cuts - 1, 0)))
+  a_end = tf.gather(tf.concat([cuts, [end]], 0), randint(cut_seed, 0, tf.maximum(num_cuts - 1, 0)))
   continuation = (num_cuts > 0) & (tf.random.stateless_uniform([], coin_seed) >= 0.5)
 
   # Random B: a uniform token position, moved back to its sentence start and on to a sentence end.
@@ -121,7 +117,7 @@ def split_a_and_b(window, other, seed, *, begin: int, total: int):
   other_starts = other["sentence_start"]
   latest_begin = window_len - b_len
   first_start = _first(other_starts, window_len)
-  anchor = _randint(random_b_seed, tf.where(first_start <= latest_begin, first_start, 0), latest_begin)
+  anchor = randint(random_b_seed, tf.where(first_start <= latest_begin, first_start, 0), latest_begin)
   positions = tf.range(window_len)
   random_begin = _last(other_starts & (positions <= anchor), 0)
   random_end = _first(other_starts & (positions >= anchor + b_len), window_len)
@@ -209,7 +205,7 @@ def _spans_over_words(bounds, maskable_word, seed, *, goal, mask_alpha: int, mas
         tf.random.experimental.stateless_fold_in(seed, step), 2))
     n = 1 + tf.random.stateless_categorical(log_probs, 1, n_seed, dtype=tf.int32)[0, 0]
     context = n * mask_alpha // mask_beta
-    left = _randint(context_seed, 0, context - 1)
+    left = randint(context_seed, 0, context - 1)
     next_candidate = tf.searchsorted(candidate_starts, [cursor + left])[0]
     word = tf.gather(candidates, tf.minimum(next_candidate, tf.size(candidates) - 1))
     fitting = tf.searchsorted(bounds, [bounds[word] + goal - num_masked], side="right")[0] - 1 - word

@@ -8,12 +8,12 @@ import dataclasses
 
 import numpy as np
 
+from data_pipelines.vocab import BOS_ID, EOS_ID, PAD_ID
 from models.bart import BartConfig
 from pretrain.hf_mappings.bert import dense_rules, norm_rules
 from pretrain.hf_mappings.common import Linear, Rule, Same
 
 HF_CLASS = "BartForConditionalGeneration"
-PAD_ID, EOS_ID, BOS_ID = 0, 1, 3
 HF_LAYER_NORM_EPS = 1e-5  # HF BART's LayerNorms use torch's default epsilon, not a config value
 
 

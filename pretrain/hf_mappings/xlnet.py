@@ -16,9 +16,9 @@ def layer_rules(flax_prefix: str, hf_prefix: str) -> list:
   out = [Rule(f"{flax_prefix}/rel_attn/{name}", f"{attn}.{name}")
          for name in ("q", "k", "v", "o", "r", "seg_embed") + BIAS_NAMES]
   out += norm_rules(f"{flax_prefix}/rel_attn/layer_norm", f"{attn}.layer_norm")
-  out += dense_rules(f"{flax_prefix}/ff/intermediate", f"{hf_prefix}.ff.layer_1")
-  out += dense_rules(f"{flax_prefix}/ff/output", f"{hf_prefix}.ff.layer_2")
-  out += norm_rules(f"{flax_prefix}/ff_norm", f"{hf_prefix}.ff.layer_norm")
+  out += dense_rules(f"{flax_prefix}/ff/mlp/intermediate", f"{hf_prefix}.ff.layer_1")
+  out += dense_rules(f"{flax_prefix}/ff/mlp/output", f"{hf_prefix}.ff.layer_2")
+  out += norm_rules(f"{flax_prefix}/ff/norm", f"{hf_prefix}.ff.layer_norm")
   return out
 
 

@@ -13,9 +13,11 @@ The command joins the job with
   jax.distributed.initialize(coordinator_address=os.environ[COORDINATOR_ADDRESS_ENV],
                              num_processes=int(os.environ[NUM_PROCESSES_ENV]),
                              process_id=int(os.environ[PROCESS_ID_ENV]))
-(the names below are the constants to import). Every output line of child i, stdout and stderr
-merged, is printed as "[process i] line". If a child exits non-zero the others are terminated and
-we exit non-zero naming it; Ctrl-C terminates all children.
+(the names below are the constants to import). Every line child i writes to stdout (stderr) is
+printed to our stdout (stderr) as "[process i] line". The two streams stay apart because a child's
+C++ runtime writes its logs to stderr piecewise, which would split its stdout lines if they shared
+one pipe. If a child exits non-zero the others are terminated and we exit non-zero naming it;
+Ctrl-C terminates all children.
 """
 import argparse
 import os
@@ -79,11 +81,11 @@ def child_env(process_id: int, num_processes: int, devices_per_process: int, por
   return env
 
 
-def _copy_prefixed(stream, prefix: str, lock: threading.Lock) -> None:
-  for line in stream:
+def _copy_prefixed(source, destination, prefix: str, lock: threading.Lock) -> None:
+  for line in source:
     with lock:  # whole lines only, never two children interleaved within one line
-      sys.stdout.write(prefix + line)
-      sys.stdout.flush()
+      destination.write(prefix + line)
+      destination.flush()
 
 
 def _terminate(children: list[subprocess.Popen]) -> None:
@@ -113,11 +115,12 @@ def launch(command: list[str], num_processes: int, devices_per_process: int, por
   try:
     for i in range(num_processes):
       child = subprocess.Popen(command, env=child_env(i, num_processes, devices_per_process, port),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
       children.append(child)
-      copier = threading.Thread(target=_copy_prefixed, args=(child.stdout, f"[process {i}] ", lock))
-      copier.start()
-      copiers.append(copier)
+      for source, destination in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+        copier = threading.Thread(target=_copy_prefixed, args=(source, destination, f"[process {i}] ", lock))
+        copier.start()
+        copiers.append(copier)
     while any(child.poll() is None for child in children) and not _first_failure(children):
       time.sleep(0.1)
     failure = _first_failure(children)

@@ -35,6 +35,18 @@ def test_two_processes_join_and_allgather():
   assert "[process 1] gathered [10, 11] on 1" in lines
 
 
+def test_a_childs_stdout_lines_stay_whole_while_its_stderr_is_written_piecewise():
+  # Like the C++ runtime's logs (gloo, XLA), which reach stderr a few bytes per write.
+  script = ("import os\nfor i in range(50):\n  os.write(2, b'log ')\n  os.write(1, b'out ')\n"
+            "  os.write(2, b'piece\\n')\n  os.write(1, b'line %d\\n' % i)\n")
+  done = launch_local("--num_processes=2", "--", sys.executable, "-c", script)
+  assert done.returncode == 0, done.stderr
+  for i in range(2):
+    assert [l for l in done.stdout.splitlines() if l.startswith(f"[process {i}]")] == [
+        f"[process {i}] out line {n}" for n in range(50)]
+    assert done.stderr.splitlines().count(f"[process {i}] log piece") == 50
+
+
 def test_failing_child_stops_the_others():
   script = "import os, sys, time\nif os.environ['JAX_PROCESS_ID'] == '1': sys.exit(3)\ntime.sleep(60)"
   start = time.monotonic()

@@ -7,6 +7,9 @@ batch the same however many processes read it (1 process × 4 devices = 2 proces
 and one shard per batch row gives every row its own continuous stream (XLNet's memory needs that).
 With `reverse_odd_rows`, odd shards read the `<task>_reversed` variant of the shard before them:
 XLNet's bi_data pairs each forward row with the same text read backwards.
+
+A mixture samples its tasks with a seed of its own per shard, so the rows of a batch do not all
+draw the same task at once.
 """
 from typing import Iterator, Mapping, Optional
 
@@ -27,6 +30,9 @@ class InputPipeline:
                reverse_odd_rows: bool = False, process_index: Optional[int] = None,
                process_count: Optional[int] = None):
     self.task = tasks.get_task_or_mixture(task_name)
+    if isinstance(self.task, seqio.Mixture) and tasks.continues_across_examples(self.task):
+      raise ValueError(f"mixture {task_name!r} mixes tasks whose examples continue one text stream (XLNet): "
+                       "mixing would interleave the streams; give one task all the corpora's files instead")
     self.feature_lengths = dict(feature_lengths)
     self.process_index = jax.process_index() if process_index is None else process_index
     self.process_count = jax.process_count() if process_count is None else process_count
@@ -66,14 +72,14 @@ class InputPipeline:
   def dataset(self, split: str, shuffle: bool, repeat: bool) -> tf.data.Dataset:
     rows_per_shard = self.host_batch_size // self.shards_per_process
     parts = []
-    # Tasks whose consecutive examples continue each other disallow shuffling after preprocessing.
-    shuffle = shuffle and self.task.shuffle_buffer_size is not None
+    shuffle = shuffle and not tasks.continues_across_examples(self.task)
     for i in range(self.shards_per_process):
       task_name, shard = self.data_shard(self.process_index * self.shards_per_process + i)
-      ds = seqio.get_dataset(task_name, self.feature_lengths, self.converter, dataset_split=split,
-                             shuffle=shuffle, num_epochs=None if repeat else 1, shard_info=shard, seed=self.seed,
-                             verbose=False)
-      parts.append(ds.batch(rows_per_shard, drop_remainder=True))
+      shard_seed = int(np.random.SeedSequence((self.seed, shard.index)).generate_state(1)[0])
+      ds = tasks.get_dataset(seqio.get_mixture_or_task(task_name), self.feature_lengths,
+                             features=self.converter.model_features, split=split, shuffle=shuffle,
+                             num_epochs=None if repeat else 1, shard_info=shard, seed=shard_seed)
+      parts.append(self.converter(ds, self.feature_lengths).batch(rows_per_shard, drop_remainder=True))
     if len(parts) == 1:
       return parts[0].prefetch(2)
     joined = tf.data.Dataset.zip(tuple(parts)).map(

@@ -77,7 +77,7 @@ def print_examples(task_name: str, split: str, num_examples: int, output_format:
   task = tasks.get_task_or_mixture(task_name)
   lengths = feature_lengths or default_feature_lengths(task_name)
   vocabulary = next(iter(task.output_features.values())).vocabulary
-  dataset = task.get_dataset(lengths, split=split, shuffle=False, seed=seed, num_epochs=1)
+  dataset = tasks.get_dataset(task, lengths, split=split, shuffle=False, seed=seed, num_epochs=1)
   for index, example in enumerate(dataset.take(num_examples).as_numpy_iterator()):
     if output_format == "jsonl":
       print(json.dumps({name: np.asarray(value).tolist() for name, value in example.items()}))

@@ -3,10 +3,11 @@
 Names are `<corpus>_<objective>`: `demo_bert_mlm_nsp` (the built-in demo corpus),
 `text_bert_mlm_nsp` (the user's TRAIN_FILES), `wikipedia_bert_mlm_nsp` (TFDS), and so on for every
 objective in OBJECTIVES. Demo tasks register themselves on first use (building the demo corpus).
+Tasks of one objective over several corpora combine into a seqio mixture (`mixture`).
 """
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import seqio
 
@@ -122,25 +123,64 @@ def register_demo_tasks() -> None:
 
 
 def text_task(objective: str, train_files: Optional[str] = None, validation_files: Optional[str] = None,
-              vocab_model: Optional[str] = None) -> str:
-  """The task name for an objective over TRAIN_FILES (None: the demo corpus and its vocabulary)."""
+              vocab_model: Optional[str] = None, corpus: str = "text") -> str:
+  """The task `<corpus>_<objective>` over TRAIN_FILES (None: the demo corpus and its vocabulary)."""
   if train_files is None and vocab_model is None and validation_files is None:
     return f"demo_{objective}"
+  if train_files is None and vocab_model is not None:  # most likely a forgotten setting, not a wish for demo text
+    raise ValueError(f"VOCAB_MODEL={vocab_model!r} is set but the {corpus!r} corpus has no train files (TRAIN_FILES); "
+                     "the demo corpus comes with its own vocabulary")
   demo = demo_corpus.ensure_demo_corpus() if train_files is None or vocab_model is None else {}
   splits = {"train": train_files or demo["train"]}
   if validation_files or train_files is None:  # the demo text comes with its held-out split
     splits["validation"] = validation_files or demo["validation"]
   source = sources.TextDocumentSource(splits)
-  return register_task(f"text_{objective}", source, objective, vocab_model or demo["vocab_model"])
+  return register_task(f"{corpus}_{objective}", source, objective, vocab_model or demo["vocab_model"])
 
 
 def tfds_task(objective: str, tfds_name: str, vocab_model: str, data_dir: Optional[str] = None,
               text_key: str = "text", splits: Optional[Dict[str, str]] = None) -> str:
   """A task over a TFDS dataset such as 'wikipedia/20230601.en:1.0.0' (local or gs:// data_dir)."""
+  if vocab_model is None:
+    raise ValueError(f"VOCAB_MODEL is not set: the TFDS task {tfds_name!r} needs the sentencepiece model of its text")
   corpus = tfds_name.split("/")[0].split(":")[0]
   source = sources.tfds_source(tfds_name, splits=splits, data_dir=data_dir)
   return register_task(f"{corpus}_{objective}", source, objective, vocab_model,
                        extra_preprocessors=[functools.partial(sources.tfds_to_documents, text_key=text_key)])
+
+
+def mixture(name: str, task_names: Sequence[str], rates: Optional[Sequence[float]] = None) -> str:
+  """Registers (or replaces) mixture `name`: each example comes from task i with probability
+  rates[i] / sum(rates) (default: equal rates). The tasks share one objective and vocabulary."""
+  rates = [1.0] * len(task_names) if rates is None else list(rates)
+  if not task_names or len(rates) != len(task_names) or min(rates) <= 0:
+    raise ValueError(f"mixture {name!r}: expected one positive rate per task, got tasks {list(task_names)} "
+                     f"and rates {rates}")
+  for task_name in task_names:
+    get_task_or_mixture(task_name)  # an unknown name fails here, listing the known ones
+  seqio.MixtureRegistry.remove(name)
+  seqio.MixtureRegistry.add(name, list(zip(task_names, rates)))
+  return name
+
+
+def continues_across_examples(task_or_mixture) -> bool:
+  """Whether consecutive examples continue one text stream (XLNet), so must not be shuffled or mixed."""
+  return any(task.shuffle_buffer_size is None for task in seqio.get_subtasks(task_or_mixture))
+
+
+def get_dataset(task_or_mixture, sequence_length: Dict[str, int], features: Optional[Sequence[str]] = None,
+                **kwargs):
+  """The examples of a task or mixture with every feature its objective emits.
+
+  A seqio mixture keeps only its output features (the token inputs, not the objective's targets
+  and labels) unless told which others pass through: `features`, by default those of the first
+  task's examples. `kwargs` go to seqio's get_dataset (split, shuffle, seed, shard_info, ...).
+  """
+  if not isinstance(task_or_mixture, seqio.Mixture):
+    return task_or_mixture.get_dataset(sequence_length, **kwargs)
+  if features is None:
+    features = seqio.get_subtasks(task_or_mixture)[0].get_dataset(sequence_length, **kwargs).element_spec
+  return task_or_mixture.get_dataset(sequence_length, passthrough_features=list(features), **kwargs)
 
 
 def get_task_or_mixture(name: str):

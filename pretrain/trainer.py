@@ -279,10 +279,14 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   """
   mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
   batch_shapes = family.feature_shapes(batch_size, task_feature_lengths)
+  family_shards = family.data_shards(batch_size)
+  if family_shards and data_shards not in (None, family_shards):
+    raise ValueError(f"DATA_SHARDS={data_shards}: {family.name} reads one data shard per batch row "
+                     f"(BATCH_SIZE={batch_size}); leave DATA_SHARDS unset")
   data = input_pipeline.InputPipeline(mixture_or_task_name, task_feature_lengths, batch_size,
                                       {k: (s.shape[1:], s.dtype) for k, s in batch_shapes.items()},
                                       batch_shards=partitioning.batch_shards(mesh),
-                                      seed=seed, num_data_shards=family.data_shards(batch_size) or data_shards,
+                                      seed=seed, num_data_shards=family_shards or data_shards,
                                       reverse_odd_rows=family.reverse_odd_rows())
   setup = setup_for_run(family, task_feature_lengths, batch_size, mesh, optimizer, schedule, microbatches,
                         data.vocabulary.vocab_size, per_device_batch)

@@ -1,4 +1,4 @@
-"""Text and TFDS sources on bad and unusual input, and the vocabulary trainer's command line."""
+"""Text and TFDS sources on bad and unusual input, mixtures of them, and the vocabulary trainer's command line."""
 import re
 import subprocess
 import sys
@@ -169,3 +169,85 @@ def test_a_run_trains_from_tfds_through_the_gin_switch(tiny_wiki_dir, demo_paths
   summary = gin.get_configurable(trainer.train)()
   assert np.isfinite(summary["last_loss"])
   assert (tmp_path / "checkpoints" / "2").exists()
+
+
+ARTICLE_WORDS = ("town", "founded", "economy", "Tourists")  # every sentence of article() has one
+CHAPTER_WORDS = ("Chapter", "sailors", "Storms", "ship")  # every sentence of chapter() has one
+
+
+def chapter(i):
+  """A book-like document: a sentence per line, none of the articles' words."""
+  return f"Chapter {i} opens at sea.\nThe sailors sing all night.\nStorms come from the west.\nThe ship reaches port {i}."
+
+
+@pytest.fixture(scope="module")
+def books_file(tmp_path_factory):
+  path = tmp_path_factory.mktemp("books") / "books.txt"
+  path.write_text("\n\n".join(chapter(i) for i in range(ARTICLES)) + "\n")
+  return str(path)
+
+
+def wiki_and_books(tiny_wiki_dir, books_file, vocab_model, rates):
+  wiki = tasks.tfds_task("bert_mlm_nsp", "tiny_wiki:1.0.0", vocab_model, data_dir=tiny_wiki_dir)
+  books = tasks.text_task("bert_mlm_nsp", train_files=books_file, vocab_model=vocab_model, corpus="books")
+  return tasks.mixture("wiki_books_bert_mlm_nsp", [wiki, books], rates)
+
+
+def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_dir, books_file, demo_paths,
+                                                                      demo_vocab):
+  from data_pipelines.input_pipeline import InputPipeline
+  from pretrain.families.bert import BertFamily
+  from models.bert import BertConfig
+  name = wiki_and_books(tiny_wiki_dir, books_file, demo_paths["vocab_model"], rates=[3, 1])
+  shapes = BertFamily(BertConfig()).feature_shapes(1, LENGTHS)
+  batch_size, batches, shards = 20, 100, 2
+  pipeline = InputPipeline(name, LENGTHS, batch_size, {k: (s.shape[1:], s.dtype) for k, s in shapes.items()},
+                           num_data_shards=shards, process_index=0, process_count=1)
+  from_wiki = []
+  for batch in pipeline.take("train", batches):
+    assert set(batch) == set(shapes)  # the objective's targets and labels come through the mixture
+    for row in range(batch_size):
+      ids = batch["input_ids"][row].copy()
+      real = batch["masked_weights"][row] > 0
+      ids[batch["masked_positions"][row][real]] = batch["masked_ids"][row][real]
+      text = demo_vocab.tokenizer.decode_ids(ids.tolist())
+      wiki, books = (any(word in text for word in words) for words in (ARTICLE_WORDS, CHAPTER_WORDS))
+      assert wiki != books, text  # a pair never joins two corpora
+      from_wiki.append(wiki)
+  from_wiki = np.array(from_wiki).reshape(batches, shards, batch_size // shards)
+  rate, n = 3 / 4, from_wiki.size
+  assert abs(from_wiki.mean() - rate) < 4.5 * np.sqrt(rate * (1 - rate) / n)
+  # Each shard draws its own sequence of tasks: the rows of a batch do not all switch corpus together.
+  assert not np.array_equal(from_wiki[:, 0], from_wiki[:, 1])
+
+
+def test_a_mixture_needs_one_positive_rate_per_task(demo_paths):
+  with pytest.raises(ValueError, match=r"mixture 'm': expected one positive rate per task"):
+    tasks.mixture("m", ["demo_bert_mlm_nsp", "demo_albert_mlm_sop"], rates=[1])
+  with pytest.raises(ValueError, match=r"unknown task or mixture 'no_such_task'"):
+    tasks.mixture("m", ["demo_bert_mlm_nsp", "no_such_task"])
+
+
+def test_xlnet_streams_cannot_be_mixed_by_example(demo_paths):
+  from data_pipelines.input_pipeline import InputPipeline
+  name = tasks.mixture("xlnet_mixture", ["demo_xlnet_plm"])
+  with pytest.raises(ValueError, match="mixture 'xlnet_mixture' mixes tasks whose examples continue one text stream"):
+    InputPipeline(name, {}, global_batch_size=2, model_features={}, process_index=0, process_count=1)
+
+
+def test_a_run_trains_from_wikipedia_and_books_through_the_gin_file(tiny_wiki_dir, books_file, demo_paths, tmp_path):
+  import gin
+  from pretrain import cli, trainer
+  gin.clear_config()
+  cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin", "gin_configs/objectives/wikipedia_books.gin"], [
+      "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'", f"BOOKS_FILES = '{books_file}'",
+      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'", "bert.BertConfig.hidden_size = 32", "bert.BertConfig.mlp_dim = 64",
+      "BATCH_SIZE = 4", "TRAIN_STEPS = 2", "LOG_EVERY_STEPS = 1", "EVAL_EVERY_STEPS = 0", f"MODEL_DIR = '{tmp_path}'"])
+  summary = gin.get_configurable(trainer.train)()
+  assert np.isfinite(summary["last_loss"])
+  assert (tmp_path / "checkpoints" / "2").exists()
+
+
+def test_a_vocabulary_without_train_files_is_an_error_not_the_demo_text(demo_paths):
+  with pytest.raises(ValueError, match="VOCAB_MODEL='.*' is set but the 'books' corpus has no train files"):
+    tasks.text_task("bert_mlm_nsp", vocab_model=demo_paths["vocab_model"], corpus="books")

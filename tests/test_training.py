@@ -86,16 +86,22 @@ def test_one_device_and_eight_devices_agree(tmp_path):
   np.testing.assert_allclose(losses["one"], losses["eight"], rtol=2e-5)
 
 
+BERT_RUN, XLNET_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--gin.NO_SUCH_MACRO_OR_CONFIG.x=1"], "NO_SUCH_MACRO_OR_CONFIG"),
-    (["--gin.MIXTURE_OR_TASK_NAME='no_such_task'"], "unknown task or mixture 'no_such_task'"),
-    (["--gin.TRAIN_FILES='/nonexistent/*.txt'"], "TRAIN_FILES='/nonexistent/*.txt' matches no files"),
-    (["--gin.PER_DEVICE_BATCH=3"], "PER_DEVICE_BATCH=3 does not divide the 32 rows"),
-    (["--gin.PER_DEVICE_BATCH=8", "--gin.MICROBATCHES=2"], "MICROBATCHES=2 and PER_DEVICE_BATCH=8: set one of them"),
+    ([BERT_RUN, "--gin.NO_SUCH_MACRO_OR_CONFIG.x=1"], "NO_SUCH_MACRO_OR_CONFIG"),
+    ([BERT_RUN, "--gin.MIXTURE_OR_TASK_NAME='no_such_task'"], "unknown task or mixture 'no_such_task'"),
+    ([BERT_RUN, "--gin.TRAIN_FILES='/nonexistent/*.txt'"], "TRAIN_FILES='/nonexistent/*.txt' matches no files"),
+    ([BERT_RUN, "--gin.PER_DEVICE_BATCH=3"], "PER_DEVICE_BATCH=3 does not divide the 32 rows"),
+    ([BERT_RUN, "--gin.PER_DEVICE_BATCH=8", "--gin.MICROBATCHES=2"],
+     "MICROBATCHES=2 and PER_DEVICE_BATCH=8: set one of them"),
+    ([BERT_RUN, "--gin_file=gin_configs/objectives/wikipedia_books.gin"],
+     "VOCAB_MODEL is not set: the TFDS task 'wikipedia/20230601.en:1.0.0' needs the sentencepiece model"),
+    ([XLNET_RUN, "--gin.DATA_SHARDS=2"], "DATA_SHARDS=2: xlnet reads one data shard per batch row (BATCH_SIZE=16)"),
 ])
 def test_bad_configuration_fails_with_one_line(args, message):
-  result = _cli(["--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin.MODEL_DIR='/tmp/unused'", *args],
-                timeout=300)
+  result = _cli([*args, "--gin.MODEL_DIR='/tmp/unused'"], timeout=300)
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("pretrain.train: error:") and message in last, result.stderr[-1500:]

@@ -94,4 +94,8 @@ def tfds_to_documents(dataset: tf.data.Dataset, text_key: str = "text") -> tf.da
 def tfds_source(tfds_name: str, splits: Optional[Mapping[str, str]] = None,
                 data_dir: Optional[str] = None) -> seqio.TfdsDataSource:
   """A TFDS dataset by name, e.g. 'wikipedia/20230601.en:1.0.0', read from data_dir (local or gs://)."""
-  return seqio.TfdsDataSource(tfds_name=tfds_name, splits=splits, tfds_data_dir=data_dir)
+  source = seqio.TfdsDataSource(tfds_name=tfds_name, splits=splits, tfds_data_dir=data_dir)
+  if not source.splits:  # TFDS finds no prepared files, and nothing is downloaded at run time
+    raise FileNotFoundError(f"TFDS dataset {tfds_name!r} is not prepared in TFDS_DATA_DIR={data_dir!r}: "
+                            "build it there first (tfds build, or the builder's download_and_prepare)")
+  return source

@@ -60,21 +60,10 @@ def ffn_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNFeedForwardBl
                    name=name)
 
 
-class AlbertLayer(nn.Module):
-  """An attention sublayer then an FFN sublayer: the unit that share='all' shares and 'none' repeats."""
-  config: AlbertConfig
-
-  @nn.compact
-  def __call__(self, x, bias, deterministic: bool):
-    """-> (x, None): the `layer_stack` protocol."""
-    x = attention_block(self.config, "attention")(x, x, bias, deterministic)
-    return ffn_block(self.config, "ffn")(x, deterministic), None
-
-
 class AlbertEncoder(nn.Module):
   """Embeddings (E), projection E -> H and the layer stack; returns hidden states and the word embedding.
 
-  share='all' applies one AlbertLayer (`shared_layer`) at every depth, 'none' one per depth; both
+  share='all' applies one encoder layer (`shared_layer`) at every depth, 'none' one per depth; both
   may be scanned. The ablations that share a single sublayer build the stack from sublayers instead
   (`shared_attention` or `shared_ffn` plus `layer_<i>_ffn` or `layer_<i>_attention`), unrolled.
   """
@@ -91,9 +80,11 @@ class AlbertEncoder(nn.Module):
     x = layers.constrain(x, layers.BATCH_LENGTH_EMBED)
     bias = layers.attention_bias(input_ids > 0, input_ids > 0)
     if cfg.share in WHOLE_LAYER_SHARE_MODES:
-      x, _ = layers.layer_stack(AlbertLayer, cfg.num_layers, x, bias, deterministic=deterministic,
-                                scan=cfg.scan_layers, remat_policy=cfg.remat_policy, shared=cfg.share == "all",
-                                config=cfg)
+      x, _ = layers.layer_stack(
+          layers.PostLNEncoderLayer, cfg.num_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
+          remat_policy=cfg.remat_policy, shared=cfg.share == "all", num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+          mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype,
+          approximate_gelu=cfg.approximate_gelu)
       return x, word
 
     def sublayers(make, block_cls, name: str, shared: bool) -> list:

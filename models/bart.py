@@ -75,22 +75,12 @@ def ffn_block(cfg: BartConfig) -> layers.PostLNFeedForwardBlock:
                                        cfg.dtype, name="ffn")
 
 
-class BartEncoderLayer(nn.Module):
-  config: BartConfig
-
-  @nn.compact
-  def __call__(self, x, bias, deterministic: bool):
-    """-> (x, None): the `layer_stack` protocol."""
-    x = attention_block(self.config, "self_attention")(x, x, bias, deterministic)
-    return ffn_block(self.config)(x, deterministic), None
-
-
 class BartDecoderLayer(nn.Module):
   config: BartConfig
 
   @nn.compact
   def __call__(self, x, encoded, self_bias, cross_bias, deterministic: bool):
-    x = attention_block(self.config, "self_attention")(x, x, self_bias, deterministic)
+    x = attention_block(self.config, "attention")(x, x, self_bias, deterministic)  # named as in the encoder
     x = attention_block(self.config, "cross_attention")(x, encoded, cross_bias, deterministic)
     return ffn_block(self.config)(x, deterministic), None
 
@@ -103,8 +93,11 @@ class BartEncoder(nn.Module):
     cfg = self.config
     x = BartEmbeddings(cfg, name="embeddings")(ids, shared, deterministic)
     bias = layers.attention_bias(ids > 0, ids > 0)
-    x, _ = layers.layer_stack(BartEncoderLayer, cfg.encoder_layers, x, bias, deterministic=deterministic,
-                              scan=cfg.scan_layers, remat_policy=cfg.remat_policy, config=cfg)
+    x, _ = layers.layer_stack(
+        layers.PostLNEncoderLayer, cfg.encoder_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
+        remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.ffn_dim,
+        dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype,
+        attention_dropout_rate=cfg.attention_dropout, activation_dropout_rate=cfg.activation_dropout)
     return x
 
 

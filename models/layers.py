@@ -138,31 +138,9 @@ class FeedForward(nn.Module):
     return constrain(out, BATCH_LENGTH_EMBED)
 
 
-class PostLNEncoderLayer(nn.Module):
-  """x = LN(x + Attn(x)); x = LN(x + FFN(x)), as in BERT and ALBERT."""
-  num_heads: int
-  head_dim: int
-  mlp_dim: int
-  dropout_rate: float
-  layer_norm_eps: float
-  dtype: Dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x, bias, deterministic: bool):
-    """-> (x, None): the `layer_stack` protocol."""
-    drop = nn.Dropout(self.dropout_rate)
-    attn = MultiHeadAttention(self.num_heads, self.head_dim, self.dropout_rate, self.dtype, name="attention")
-    x = layer_norm(self.layer_norm_eps, self.dtype, "attention_norm")(
-        x + drop(attn(x, x, bias, deterministic), deterministic=deterministic))
-    ffn = FeedForward(self.mlp_dim, 0.0, self.dtype, name="ffn")
-    x = layer_norm(self.layer_norm_eps, self.dtype, "ffn_norm")(
-        x + drop(ffn(x, deterministic), deterministic=deterministic))
-    return constrain(x, BATCH_LENGTH_EMBED), None
-
-
 class PostLNAttentionBlock(nn.Module):
-  """x = LN(x + Dropout(Attention(x, context))): one post-norm sublayer, for models that share or
-  mix sublayers independently (ALBERT's partial sharing, BART's cross-attention)."""
+  """x = LN(x + Dropout(Attention(x, context))): one post-norm sublayer, a part of PostLNEncoderLayer
+  and used alone where sublayers are shared or mixed (ALBERT's partial sharing, BART's decoder)."""
   num_heads: int
   head_dim: int
   dropout_rate: float
@@ -192,6 +170,29 @@ class PostLNFeedForwardBlock(nn.Module):
     ffn = FeedForward(self.mlp_dim, self.activation_dropout_rate, self.dtype, self.approximate_gelu, name="mlp")
     update = nn.Dropout(self.dropout_rate)(ffn(x, deterministic), deterministic=deterministic)
     return constrain(layer_norm(self.layer_norm_eps, self.dtype, "norm")(x + update), BATCH_LENGTH_EMBED)
+
+
+class PostLNEncoderLayer(nn.Module):
+  """A self-attention block, then an FFN block: the encoder layer of BERT, ALBERT and BART."""
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+  dropout_rate: float
+  layer_norm_eps: float
+  dtype: Dtype = jnp.float32
+  attention_dropout_rate: Optional[float] = None  # None: dropout_rate
+  activation_dropout_rate: float = 0.0
+  approximate_gelu: bool = False
+
+  @nn.compact
+  def __call__(self, x, bias, deterministic: bool):
+    """-> (x, None): the `layer_stack` protocol."""
+    attention_dropout = self.dropout_rate if self.attention_dropout_rate is None else self.attention_dropout_rate
+    x = PostLNAttentionBlock(self.num_heads, self.head_dim, self.dropout_rate, attention_dropout, self.layer_norm_eps,
+                             self.dtype, name="attention")(x, x, bias, deterministic)
+    x = PostLNFeedForwardBlock(self.mlp_dim, self.dropout_rate, self.activation_dropout_rate, self.layer_norm_eps,
+                               self.dtype, self.approximate_gelu, name="ffn")(x, deterministic)
+    return x, None
 
 
 REMAT_POLICIES = {

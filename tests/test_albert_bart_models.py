@@ -10,13 +10,13 @@ import pytest
 import torch
 import transformers
 
+from helpers import assert_round_trip, build_hf
 from models.albert import AlbertConfig, AlbertForPreTraining
 from models.bart import BartConfig, BartForConditionalGeneration
 from pretrain.families.albert import AlbertFamily
 from pretrain.families.bart import BartFamily
 from pretrain.hf_mappings import albert as albert_mapping
 from pretrain.hf_mappings import bart as bart_mapping
-from pretrain.hf_mappings.common import flatten_params, from_hf, to_hf
 
 ALBERT = AlbertConfig(vocab_size=97, embedding_size=16, hidden_size=32, num_layers=3, num_heads=4, mlp_dim=64,
                       max_position_embeddings=24, dropout_rate=0.0)
@@ -40,27 +40,6 @@ def random_params(model, features):
   return jax.tree_util.tree_map_with_path(
       lambda path, leaf: float(path[-1].key == "scale") + 0.2 * rng.standard_normal(leaf.shape).astype(np.float32),
       shapes)
-
-
-def build_hf(mapping, config, params):
-  """The HF model holding our params; returns it with load_state_dict's missing keys."""
-  kwargs = dict(mapping.hf_config(config))
-  hf_config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-  model = getattr(transformers, mapping.HF_CLASS)(hf_config).eval()
-  state = {key: torch.from_numpy(value) for key, value in to_hf(params, mapping.rules(config)).items()}
-  missing, unexpected = model.load_state_dict(state, strict=False)
-  assert not unexpected
-  return model, set(missing)
-
-
-def assert_round_trip(mapping, config, params, hf_model):
-  """HF state dict -> Flax params gives back exactly what went in."""
-  flat = flatten_params(params)
-  state = {key: value.numpy() for key, value in hf_model.state_dict().items()}
-  back = flatten_params(from_hf(state, mapping.rules(config), {path: v.shape for path, v in flat.items()}))
-  assert back.keys() == flat.keys()
-  for path, value in flat.items():
-    np.testing.assert_array_equal(back[path], value, err_msg=path)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +82,7 @@ def test_albert_masked_positions_gather_the_full_logits(albert_case):
 
 
 def test_albert_round_trip_through_hf(albert_case):
-  assert_round_trip(albert_mapping, ALBERT, albert_case["params"], albert_case["hf_model"])
+  assert_round_trip(albert_mapping, ALBERT, albert_case["params"], albert_case["hf_model"].state_dict())
 
 
 def test_albert_remat_keeps_shared_layer_outputs(albert_case):
@@ -173,7 +152,7 @@ def test_bart_matches_hf(bart_case):
 
 
 def test_bart_round_trip_through_hf(bart_case):
-  assert_round_trip(bart_mapping, BART, bart_case["params"], bart_case["hf_model"])
+  assert_round_trip(bart_mapping, BART, bart_case["params"], bart_case["hf_model"].state_dict())
 
 
 def test_bart_config_checks():

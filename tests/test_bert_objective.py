@@ -8,8 +8,6 @@ import json
 import math
 import random
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -17,21 +15,10 @@ import tensorflow as tf
 
 from data_pipelines import sources, tasks
 from data_pipelines.objectives import mlm, nsp_sop
+from helpers import assert_rate, map_examples, restored, run_module, seeds
 
-Z = 4.5
 CLS, SEP, MASK, FIRST_NORMAL = 4, 5, 6, 7
 LENGTHS = {"input_ids": 128, "masked_positions": 20}
-
-
-def assert_rate(hits, trials, rate, what):
-  tolerance = Z * math.sqrt(rate * (1 - rate) / trials)
-  assert abs(hits / trials - rate) <= tolerance, f"{what}: {hits / trials:.4f} vs {rate:.4f} ± {tolerance:.4f}"
-
-
-def map_examples(fn, elements: dict) -> list:
-  """fn(element) in a tf.data map (graph mode, as in the pipeline); numpy results."""
-  dataset = tf.data.Dataset.from_tensor_slices(elements).map(fn, num_parallel_calls=2, deterministic=True)
-  return list(dataset.as_numpy_iterator())
 
 
 # ----------------------------------------------------------------------------- MLM on synthetic tokens
@@ -49,7 +36,7 @@ def synthetic_examples(num, seed_salt=0):
   ids[rng.random(ids.shape) < 0.1] = SEP
   ids[:, 0] = CLS
   return {"ids": ids.astype(np.int32), "word_start": rng.random(ids.shape) < 0.5,
-          "length": lengths.astype(np.int32), "seed": np.stack([np.arange(num), np.full(num, seed_salt)], 1)}
+          "length": lengths.astype(np.int32), "seed": seeds(num, seed_salt)}
 
 
 def masked(element, **kwargs):
@@ -153,9 +140,8 @@ def test_ngram_lengths_follow_one_over_n():
   """
   p1, p2, p3 = 6 / 11, 3 / 11, 2 / 11
   num = 4000
-  seeds = np.stack([np.arange(num), np.full(num, 7)], 1)
   outputs = map_examples(lambda seed: mlm.choose_masked_positions(tf.ones([2000], tf.bool), tf.ones([2000], tf.bool),
-                                                                  tf.constant(3), seed, max_ngram=3), seeds)
+                                                                  tf.constant(3), seed, max_ngram=3), seeds(num, 7))
   longest = []
   for chosen in outputs:
     assert chosen.sum() == 3
@@ -197,7 +183,7 @@ def test_truncate_pair_matches_reference_lengths_and_trims_both_ends():
   len_a, len_b = rng.integers(0, 90, num), rng.integers(0, 90, num)
   limits = rng.integers(1, 120, num)
   elements = {"len_a": len_a.astype(np.int32), "len_b": len_b.astype(np.int32), "limit": limits.astype(np.int32),
-              "seed": np.stack([np.arange(num), np.full(num, 3)], 1)}
+              "seed": seeds(num, 3)}
   # a holds 1000 + position, b 5000 + position: every kept token tells where it was.
   outputs = map_examples(lambda e: nsp_sop.truncate_pair(1000 + tf.range(e["len_a"]), 5000 + tf.range(e["len_b"]),
                                                          e["limit"], e["seed"]), elements)
@@ -214,18 +200,10 @@ def test_truncate_pair_matches_reference_lengths_and_trims_both_ends():
         total_cuts += full - len(kept)
   # Each removed token comes from the front with probability 1/2: Binomial(total_cuts, 1/2).
   assert total_cuts > 10_000
-  assert abs(front_cuts - total_cuts / 2) <= Z * math.sqrt(total_cuts / 4), (front_cuts, total_cuts)
+  assert_rate(front_cuts, total_cuts, 0.5, "tokens cut from the front")
 
 
 # ----------------------------------------------------------------------------- pairs through seqio
-
-def restored(example):
-  """input_ids with the masked positions put back to their original tokens."""
-  ids = example["input_ids"].copy()
-  real = example["masked_weights"] > 0
-  ids[example["masked_positions"][real]] = example["masked_ids"][real]
-  return ids
-
 
 def split_pair(example):
   """(tokens A, tokens B) of a `[CLS] A [SEP] B [SEP] pad...` example, after checking that layout."""
@@ -349,9 +327,8 @@ def test_sop_labels_are_balanced_and_swap_consecutive_segments(tmp_path, demo_pa
 
 
 def test_inspect_writes_jsonl_with_every_feature():
-  result = subprocess.run([sys.executable, "-m", "data_pipelines.inspect", "--task=demo_bert_mlm_nsp",
-                           "--num_examples=3", "--format=jsonl", "--seed=2"], capture_output=True, text=True,
-                          timeout=300)
+  result = run_module("data_pipelines.inspect", "--task=demo_bert_mlm_nsp", "--num_examples=3", "--format=jsonl",
+                      "--seed=2", timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   rows = [json.loads(line) for line in result.stdout.splitlines()]
   assert len(rows) == 3

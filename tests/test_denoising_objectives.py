@@ -14,20 +14,10 @@ import tensorflow as tf
 from scipy import stats
 
 from data_pipelines.objectives import denoising, span_corruption
+from helpers import assert_rate, map_examples, seeds
 
 MASK, EOS, BOS = 6, 1, 3
 OFFSET = 10
-Z = 4.5  # standard errors allowed for a measured rate
-
-
-def map_examples(fn, elements: dict):
-  """fn(element) over tf.data (graph mode); returns a list of numpy results."""
-  dataset = tf.data.Dataset.from_tensor_slices(elements).map(fn, num_parallel_calls=2, deterministic=True)
-  return list(dataset.as_numpy_iterator())
-
-
-def seeds(num, salt=0):
-  return np.stack([np.arange(num), np.full(num, salt)], axis=1).astype(np.int64)
 
 
 def positional_docs(lengths, salt=0):
@@ -37,11 +27,6 @@ def positional_docs(lengths, salt=0):
 
 def positions(element):
   return tf.range(element["length"]) + OFFSET
-
-
-def assert_rate(hits, trials, rate, what):
-  tolerance = Z * math.sqrt(rate * (1 - rate) / trials)
-  assert abs(hits / trials - rate) <= tolerance, f"{what}: {hits / trials:.4f} vs {rate} ± {tolerance:.4f}"
 
 
 def assert_rounded(counts, lengths, rate, what):

@@ -4,11 +4,8 @@ weights, and bad input fails with one line and leaves no output behind."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
-import gin
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -17,17 +14,15 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from helpers import SMALL_BERT, host_devices, run_module, small_bert_flags, start_module, train
 from models import layers
 from pretrain import checkpoints, export, import_hf, registry
 from pretrain.hf_mappings import bart as bart_mapping
 from pretrain.hf_mappings.common import flatten_params
-from test_training import SMALL_BERT
 
-ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-4  # fp32 logits of the same weights, our kernels vs torch's
-# Each family's tiny demo run, shrunk to stay fast.
+# The other families' tiny demo runs, shrunk to stay fast (BERT's: SMALL_BERT).
 FAST_RUNS = {
-    "bert": SMALL_BERT,
     "albert": ["TASK_FEATURE_LENGTHS = {'input_ids': 64, 'masked_positions': 10}", "BATCH_SIZE = 8",
                "albert.AlbertConfig.hidden_size = 64", "EVAL_EVERY_STEPS = 0"],
     "xlnet": ["SEQ_LEN = 64", "MEM_LEN = 16", "REUSE_LEN = 32", "NUM_PREDICT = 10", "BATCH_SIZE = 4"],
@@ -40,27 +35,12 @@ TRICKY_TEXTS = ["The [MASK] sat on the [SEP] mat.", "[CLS]x[MASK]y", "  spaces  
                 "ﬁne café ½ 日本 🙂", ""]
 
 
-def train(model_dir, family, steps, extra=(), gin_files=()):
-  from pretrain import cli, trainer
-  gin.clear_config()
-  cli.parse_gin([f"gin_configs/runs/{family}_tiny_demo.gin", *gin_files],
-                FAST_RUNS[family] + [f"MODEL_DIR = '{model_dir}'", f"TRAIN_STEPS = {steps}", *extra])
-  return gin.get_configurable(trainer.train)()
-
-
-def run_cli(module, args, env_extra=None):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env_extra or {})}
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=600)
-
-
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
   """BERT trained 2 steps on 8 host devices (mesh data=4, model=2), in its own process."""
   model_dir = tmp_path_factory.mktemp("bert") / "run"
-  args = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", *[f"--gin_bindings={b}" for b in SMALL_BERT],
-          f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=2", "--gin.MESH_SHAPE={'data': 4, 'model': 2}"]
-  result = run_cli("pretrain.train", args, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+  result = run_module("pretrain.train", *small_bert_flags(model_dir, 2), "--gin.MESH_SHAPE={'data': 4, 'model': 2}",
+                      env=host_devices(8))
   assert result.returncode == 0 and "'data': 4" in result.stdout, result.stderr[-2000:]
   return model_dir
 
@@ -147,7 +127,7 @@ def test_round_trip_is_bit_exact_and_training_continues_from_imported_weights(be
   assert (tmp_path / "imported" / "vocab.model").read_bytes() == (bert_dir / "vocab.model").read_bytes()
 
   # A learning rate of 0 keeps the weights: step 1 must hold exactly the imported (= trained) ones.
-  train(tmp_path / "imported", "bert", 1, ["LEARNING_RATE = 0.0", "VOCAB_MODEL = None"],
+  train("bert_tiny_demo", tmp_path / "imported", 1, SMALL_BERT + ["LEARNING_RATE = 0.0", "VOCAB_MODEL = None"],
         gin_files=[str(tmp_path / "imported" / "import.gin")])
   trained = flatten_params(checkpoints.restore_params(str(bert_dir), 2))
   continued = flatten_params(checkpoints.restore_params(str(tmp_path / "imported"), 1))
@@ -160,10 +140,10 @@ def test_imported_weights_continue_with_scanned_layers_and_export_the_same(bert_
   imported = tmp_path / "imported"
   import_hf.import_hf(str(tmp_path / "hf"), str(imported))
   keep_weights = ["LEARNING_RATE = 0.0", "VOCAB_MODEL = None"]
-  train(imported, "bert", 1, keep_weights + ["bert.BertConfig.scan_layers = True"],
+  train("bert_tiny_demo", imported, 1, SMALL_BERT + keep_weights + ["bert.BertConfig.scan_layers = True"],
         gin_files=[str(imported / "import.gin")])
   scanned = checkpoints.restore_params(str(imported), 1)
-  assert scanned["encoder"]["layers"]["attention_norm"]["scale"].shape[0] == 2  # SMALL_BERT's 2 layers, stacked
+  assert scanned["encoder"]["layers"]["attention"]["norm"]["scale"].shape[0] == 2  # SMALL_BERT's 2 layers, stacked
   trained = flatten_params(checkpoints.restore_params(str(bert_dir), 2))
   continued = flatten_params(layers.unstack_layer_params(scanned))
   assert trained.keys() == continued.keys() and all(np.array_equal(trained[k], continued[k]) for k in trained)
@@ -176,7 +156,7 @@ def test_imported_weights_continue_with_scanned_layers_and_export_the_same(bert_
 
   # Resuming with the other layout would restore an optimizer state of the wrong shape: refused.
   with pytest.raises(ValueError, match="have scan_layers=True, this run sets scan_layers=False"):
-    train(imported, "bert", 2, keep_weights, gin_files=[str(imported / "import.gin")])
+    train("bert_tiny_demo", imported, 2, SMALL_BERT + keep_weights, gin_files=[str(imported / "import.gin")])
 
 
 # The pretraining frame around one text (ids: <s>=3 </s>=1 [CLS]=4 [SEP]=5) and the padding side.
@@ -187,7 +167,7 @@ FRAMES = {"albert": (lambda ids: [4] + ids + [5], "right"), "xlnet": (lambda ids
 @pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FRAMES))
 def test_family_trains_exports_and_round_trips(family, tmp_path, demo_paths):
-  train(tmp_path / "run", family, 2)
+  train(f"{family}_tiny_demo", tmp_path / "run", 2, FAST_RUNS[family])
   export.export(str(tmp_path / "run"), str(tmp_path / "hf"))
   lines = validation_lines(demo_paths, 100)
   tokenizer, vocabulary = assert_hf_matches_ours(family, tmp_path / "run", tmp_path / "hf", [lines[0], lines[1]])
@@ -247,10 +227,7 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
           "output_not_empty": [f"--model_dir={bert_dir}", output("taken")],
           "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"]}
   before = sorted(os.listdir(root))
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  processes = {case: subprocess.Popen([sys.executable, "-m", BAD_INPUTS[case][0], *arguments], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for case, arguments in args.items()}
+  processes = {case: start_module(BAD_INPUTS[case][0], *arguments) for case, arguments in args.items()}
   results = {case: (p.communicate(timeout=600)[1], p.returncode) for case, p in processes.items()}
   return results, root, before
 

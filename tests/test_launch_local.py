@@ -1,10 +1,8 @@
 """launch.local starts real JAX processes that join one job; a failing child stops the rest."""
-import pathlib
-import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import run_module
 
 JOIN_AND_GATHER = """
 import os
@@ -22,9 +20,8 @@ print("gathered", gathered.ravel().tolist(), "on", jax.process_index(), flush=Tr
 """
 
 
-def launch_local(*args, timeout=60):
-  return subprocess.run([sys.executable, "-m", "launch.local", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout)
+def launch_local(*args):
+  return run_module("launch.local", *args, timeout=60)
 
 
 def test_two_processes_join_and_allgather():

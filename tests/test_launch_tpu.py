@@ -3,12 +3,12 @@ import json
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import run_module
+
 SLICE = ["--name=pod", "--zone=europe-west4-a"]
 ZONE = "--zone=europe-west4-a"
 INSTALL = "cd ~/pod-pretrain && python3 -m pip install -e '.[tpu]'"
@@ -54,16 +54,15 @@ class FakeGcloud:
     script.chmod(0o755)
     self.log = tmp_path / "calls.jsonl"
     self.states = tmp_path / "states"
-    self.env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                    FAKE_GCLOUD_LOG=str(self.log), FAKE_GCLOUD_STATES=str(self.states))
+    self.env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_GCLOUD_LOG": str(self.log),
+                "FAKE_GCLOUD_STATES": str(self.states)}
 
   def launch(self, *args, states=("READY",), train_rc=0, path=None):
     self.states.write_text("\n".join(states))
     env = dict(self.env, FAKE_TRAIN_RC=str(train_rc))
     if path is not None:
       env["PATH"] = path
-    return subprocess.run([sys.executable, "-m", "launch.tpu", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return run_module("launch.tpu", *args, env=env, timeout=60)
 
   def entries(self):
     return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []

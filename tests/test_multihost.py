@@ -3,18 +3,17 @@ only process 0 reports, and after one process is killed both resume exactly from
 
 One two-process run serves both tests: it trains until process 1 is killed after step 10's checkpoint.
 """
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import host_devices, logged_losses, module_command, run_module, start_module
+
 TRAIN_STEPS = 30
 KILL_AFTER_CHECKPOINT = 10
 # DATA_SHARDS=2 fixes the global batch's seqio shards, whatever the number of processes reading them.
@@ -27,24 +26,14 @@ RUN = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_bindings=bert.Be
 RTOL = 1e-5  # two processes all-reduce across gloo in another order than one process's devices
 
 
-def train_command(model_dir, steps):
-  return [sys.executable, "-m", "pretrain.train", *RUN, f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}"]
+def train_args(model_dir, steps):
+  return [*RUN, f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}"]
 
 
 def two_processes(model_dir, steps):
-  return [sys.executable, "-m", "launch.local", "--num_processes=2", "--devices_per_process=2", "--",
-          *train_command(model_dir, steps)]
-
-
-def run(command, **env):
-  return subprocess.run(command, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", **env}, capture_output=True,
-                        text=True, timeout=600)
-
-
-def logged_losses(model_dir):
-  """step -> loss; a resumed run's rows come later in metrics.jsonl and win."""
-  rows = [json.loads(line) for line in (Path(model_dir) / "metrics.jsonl").read_text().splitlines()]
-  return {r["step"]: r["loss"] for r in rows if "split" not in r}
+  """launch.local's arguments to train in two processes of two devices each."""
+  return ["--num_processes=2", "--devices_per_process=2", "--",
+          *module_command("pretrain.train", *train_args(model_dir, steps))]
 
 
 def lines_of(output, process):
@@ -60,7 +49,7 @@ def progress_lines(lines):
 def one_process_losses(tmp_path_factory):
   """The uninterrupted reference: one process with 4 devices."""
   model_dir = tmp_path_factory.mktemp("one_process")
-  result = run(train_command(model_dir, TRAIN_STEPS), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  result = run_module("pretrain.train", *train_args(model_dir, TRAIN_STEPS), env=host_devices(4))
   assert result.returncode == 0, result.stderr[-3000:]
   return logged_losses(model_dir)
 
@@ -89,9 +78,7 @@ def _finished_checkpoints(model_dir):
 def interrupted_run(tmp_path_factory):
   """Two processes training TRAIN_STEPS steps until process 1 is killed after the checkpoint at step 10."""
   model_dir = tmp_path_factory.mktemp("two_processes")
-  launcher = subprocess.Popen(two_processes(model_dir, TRAIN_STEPS), cwd=ROOT,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+  launcher = start_module("launch.local", *two_processes(model_dir, TRAIN_STEPS), stderr=subprocess.STDOUT)
   deadline = time.time() + 300
   while not any(s >= KILL_AFTER_CHECKPOINT for s in _finished_checkpoints(model_dir)):
     assert launcher.poll() is None and time.time() < deadline, "the run ended before its checkpoint at step 10"
@@ -118,7 +105,7 @@ def test_after_a_killed_process_both_resume_from_the_last_checkpoint_exactly(int
   assert interrupted_run["returncode"] != 0 and "process 1 exited" in interrupted_run["output"]
   assert max(interrupted_run["losses"]) < TRAIN_STEPS, "process 1 was killed after the run had finished"
   model_dir, latest = interrupted_run["model_dir"], interrupted_run["latest"]
-  resumed = run(two_processes(model_dir, TRAIN_STEPS))
+  resumed = run_module("launch.local", *two_processes(model_dir, TRAIN_STEPS))
   assert resumed.returncode == 0, resumed.stdout[-3000:]
   assert f"resumed from step {latest}" in "\n".join(lines_of(resumed.stdout, 0))
   assert progress_lines(lines_of(resumed.stdout, 1)) == []

@@ -6,24 +6,20 @@ Run as a script, this file trains a few steps of tiny BERT variants on 4 CPU dev
 losses as JSON (the equivalence tests run it in a subprocess to get 4 devices).
 """
 import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import host_devices, run, run_module
+
 RUN = "gin_configs/runs/bert_tiny_demo.gin"
 V3_USABLE_GIB = 15.48  # per TensorCore, the compiler's own limit (its out-of-memory message)
 
 
-def run_plan(*args, timeout=300):
-  return subprocess.run([sys.executable, "-m", "pretrain.plan", f"--gin_file={RUN}", "--topology=v3:2x2", *args],
-                        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                        timeout=timeout)
+def run_plan(*args):
+  return run_module("pretrain.plan", f"--gin_file={RUN}", "--topology=v3:2x2", *args, timeout=300)
 
 
 def figure(pattern, text):
@@ -182,8 +178,7 @@ def train_variants() -> dict:
 
 @pytest.fixture(scope="module")
 def variant_losses():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-  result = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  result = run([sys.executable, __file__], env=host_devices(4))
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -204,7 +199,9 @@ def test_lamb_with_scan_remat_and_microbatches_gives_the_plain_lamb_steps_losses
   for weights in ("equal", "varying"):
     np.testing.assert_allclose(variant_losses["lamb_scan_remat_microbatches"][weights],
                                variant_losses["lamb"][weights], rtol=1e-5)
-    assert variant_losses["lamb"][weights][-1] != pytest.approx(variant_losses["plain"][weights][-1], rel=1e-3)
+    # LAMB took effect: its steps part from Adam's by far more than the tolerance above.
+    lamb, plain = np.array(variant_losses["lamb"][weights]), np.array(variant_losses["plain"][weights])
+    assert np.max(np.abs(lamb - plain) / plain) > 20 * 1e-5
 
 
 def test_microbatching_gives_the_plain_steps_losses(variant_losses):

@@ -1,16 +1,17 @@
 """Text and TFDS sources on bad and unusual input, mixtures of them, and the vocabulary trainer's command line."""
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 
 from data_pipelines import sources, tasks, vocab
+from helpers import assert_rate, restored, run_module, train
 
 LENGTHS = {"input_ids": 128, "masked_positions": 20}  # articles below are shorter: label-0 pairs stay whole
 CLS, SEP = 4, 5
+TINY_RUN = ["bert.BertConfig.hidden_size = 32", "bert.BertConfig.mlp_dim = 64", "BATCH_SIZE = 4",
+            "LOG_EVERY_STEPS = 1", "EVAL_EVERY_STEPS = 0"]
 
 
 def documents(pattern, setting="TRAIN_FILES"):
@@ -75,15 +76,11 @@ def test_one_sentence_documents_make_no_pairs(objective, tmp_path, demo_paths, d
     assert found[0]["nsp_label"] == 0
 
 
-def run_vocab_cli(*args):
-  return subprocess.run([sys.executable, "-m", "data_pipelines.vocab", *args], capture_output=True, text=True,
-                        timeout=300)
-
-
 def test_vocab_cli_trains_a_model_with_the_documented_special_ids(tmp_path, demo_paths):
   (tmp_path / "text").mkdir()
   (tmp_path / "text" / "corpus.txt").write_text(open(demo_paths["validation"], encoding="utf-8").read())
-  result = run_vocab_cli(f"--input={tmp_path}/text/*.txt", "--vocab_size=300", f"--output={tmp_path}/out/spm")
+  result = run_module("data_pipelines.vocab", f"--input={tmp_path}/text/*.txt", "--vocab_size=300",
+                      f"--output={tmp_path}/out/spm", timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   model = str(tmp_path / "out" / "spm.model")
   processor = spm.SentencePieceProcessor(model_file=model)
@@ -97,7 +94,8 @@ def test_vocab_cli_trains_a_model_with_the_documented_special_ids(tmp_path, demo
 
 def test_vocab_cli_glob_matching_nothing_is_a_one_line_error(tmp_path):
   pattern = f"{tmp_path}/nothing-*.txt"
-  result = run_vocab_cli(f"--input={pattern}", "--vocab_size=300", f"--output={tmp_path}/spm")
+  result = run_module("data_pipelines.vocab", f"--input={pattern}", "--vocab_size=300", f"--output={tmp_path}/spm",
+                      timeout=300)
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == f"error: --input={pattern!r} matches no files"
   assert "Traceback" not in result.stderr
@@ -146,9 +144,7 @@ def test_tfds_dataset_on_disk_yields_valid_examples(tiny_wiki_dir, demo_paths, d
   found = examples(name)
   assert len(found) >= ARTICLES  # every article has 5 sentences: at least one pair each
   for example in found:
-    ids = example["input_ids"].copy()
-    real = example["masked_weights"] > 0
-    ids[example["masked_positions"][real]] = example["masked_ids"][real]
+    ids = restored(example)
     seps = np.flatnonzero(ids == SEP)
     assert ids[0] == CLS and len(seps) == 2 and np.all(ids[seps[1] + 1:] == 0)
     np.testing.assert_array_equal(example["segment_ids"][:seps[1] + 1], np.arange(seps[1] + 1) > seps[0])
@@ -159,14 +155,9 @@ def test_tfds_dataset_on_disk_yields_valid_examples(tiny_wiki_dir, demo_paths, d
 
 
 def test_a_run_trains_from_tfds_through_the_gin_switch(tiny_wiki_dir, demo_paths, tmp_path):
-  import gin
-  from pretrain import cli, trainer
-  gin.clear_config()
-  cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin", "gin_configs/objectives/tfds_source.gin"], [
-      "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'", f"VOCAB_MODEL = '{demo_paths['vocab_model']}'",
-      "bert.BertConfig.hidden_size = 32", "bert.BertConfig.mlp_dim = 64", "BATCH_SIZE = 4", "TRAIN_STEPS = 2",
-      "LOG_EVERY_STEPS = 1", "EVAL_EVERY_STEPS = 0", f"MODEL_DIR = '{tmp_path}'"])
-  summary = gin.get_configurable(trainer.train)()
+  summary = train("bert_tiny_demo", tmp_path, 2, [
+      *TINY_RUN, "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'",
+      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'"], gin_files=["gin_configs/objectives/tfds_source.gin"])
   assert np.isfinite(summary["last_loss"])
   assert (tmp_path / "checkpoints" / "2").exists()
 
@@ -207,16 +198,13 @@ def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_
   for batch in pipeline.take("train", batches):
     assert set(batch) == set(shapes)  # the objective's targets and labels come through the mixture
     for row in range(batch_size):
-      ids = batch["input_ids"][row].copy()
-      real = batch["masked_weights"][row] > 0
-      ids[batch["masked_positions"][row][real]] = batch["masked_ids"][row][real]
+      ids = restored({name: values[row] for name, values in batch.items()})
       text = demo_vocab.tokenizer.decode_ids(ids.tolist())
       wiki, books = (any(word in text for word in words) for words in (ARTICLE_WORDS, CHAPTER_WORDS))
       assert wiki != books, text  # a pair never joins two corpora
       from_wiki.append(wiki)
   from_wiki = np.array(from_wiki).reshape(batches, shards, batch_size // shards)
-  rate, n = 3 / 4, from_wiki.size
-  assert abs(from_wiki.mean() - rate) < 4.5 * np.sqrt(rate * (1 - rate) / n)
+  assert_rate(from_wiki.sum(), from_wiki.size, 3 / 4, "rows from wikipedia")
   # Each shard draws its own sequence of tasks: the rows of a batch do not all switch corpus together.
   assert not np.array_equal(from_wiki[:, 0], from_wiki[:, 1])
 
@@ -236,14 +224,9 @@ def test_xlnet_streams_cannot_be_mixed_by_example(demo_paths):
 
 
 def test_a_run_trains_from_wikipedia_and_books_through_the_gin_file(tiny_wiki_dir, books_file, demo_paths, tmp_path):
-  import gin
-  from pretrain import cli, trainer
-  gin.clear_config()
-  cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin", "gin_configs/objectives/wikipedia_books.gin"], [
-      "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'", f"BOOKS_FILES = '{books_file}'",
-      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'", "bert.BertConfig.hidden_size = 32", "bert.BertConfig.mlp_dim = 64",
-      "BATCH_SIZE = 4", "TRAIN_STEPS = 2", "LOG_EVERY_STEPS = 1", "EVAL_EVERY_STEPS = 0", f"MODEL_DIR = '{tmp_path}'"])
-  summary = gin.get_configurable(trainer.train)()
+  summary = train("bert_tiny_demo", tmp_path, 2, [
+      *TINY_RUN, "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'", f"BOOKS_FILES = '{books_file}'",
+      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'"], gin_files=["gin_configs/objectives/wikipedia_books.gin"])
   assert np.isfinite(summary["last_loss"])
   assert (tmp_path / "checkpoints" / "2").exists()
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import transformers
 
+from helpers import assert_round_trip, build_hf
 from models.xlnet import XLNetConfig, XLNetLMHeadModel
 from pretrain.families.xlnet import XLNetFamily
 from pretrain.hf_mappings import xlnet as mapping
@@ -52,13 +53,10 @@ def params():
   return jax.tree.map(lambda p: np.asarray(p) + 0.05 * rng.standard_normal(p.shape).astype(np.float32), initial)
 
 
-def build_hf(config, params):
-  kwargs = dict(mapping.hf_config(config))
-  hf_config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-  model = getattr(transformers, mapping.HF_CLASS)(hf_config).eval()
-  state = {key: torch.from_numpy(value) for key, value in to_hf(params, mapping.rules(config)).items()}
-  missing, unexpected = model.load_state_dict(state, strict=False)
-  assert not unexpected and set(missing) == {"lm_loss.weight"}  # the tied head, loaded via the embedding
+def tied_hf_model(config, params):
+  """The HF model holding our params; its output layer is the word embedding."""
+  model, missing = build_hf(mapping, config, params)
+  assert missing == {"lm_loss.weight"}  # the tied head, loaded via the embedding
   assert model.lm_loss.weight.data_ptr() == model.transformer.word_embedding.weight.data_ptr()
   return model
 
@@ -94,7 +92,7 @@ def test_matches_transformers(case, params):
     del features["target_mapping"]
   mems = random_mems(rng, batch) if with_mems else None
   outputs = XLNetLMHeadModel(config).apply({"params": params}, features, mems=mems)
-  hf_logits, hf_mems = run_hf(build_hf(config, params), features, mems)
+  hf_logits, hf_mems = run_hf(tied_hf_model(config, params), features, mems)
 
   expected_length = NUM_PREDICT if two_stream else SEQ
   assert outputs["logits"].shape == hf_logits.shape == (batch, expected_length, config.vocab_size)
@@ -118,17 +116,13 @@ def test_memory_changes_logits(params):
 
 def test_mapping_round_trips_both_ways(params):
   rules = mapping.rules(SMALL)
-  flat = flatten_params(params)
-  shapes = {path: value.shape for path, value in flat.items()}
-  back = flatten_params(from_hf(to_hf(params, rules), rules, shapes))
-  assert back.keys() == flat.keys()
-  for path, value in flat.items():
-    np.testing.assert_array_equal(back[path], value, err_msg=path)
+  assert_round_trip(mapping, SMALL, params, to_hf(params, rules))
 
   torch.manual_seed(0)  # a freshly initialised HF model -> Flax -> HF
   fresh = transformers.XLNetLMHeadModel(transformers.XLNetConfig(**{
       k: v for k, v in mapping.hf_config(SMALL).items() if k != "model_type"}))
   hf_state = {key: value.detach().numpy() for key, value in fresh.state_dict().items()}
+  shapes = {path: value.shape for path, value in flatten_params(params).items()}
   again = to_hf(from_hf(hf_state, rules, shapes), rules)
   assert set(again) == set(hf_state) - {"lm_loss.weight"}
   for key, value in again.items():

@@ -5,7 +5,7 @@ one layer serving every layer (share='all'). The ablation modes have no HF equiv
 """
 from models import layers
 from models.albert import AlbertConfig
-from pretrain.hf_mappings.bert import attention_rules, dense_rules, norm_rules, pretraining_head_rules
+from pretrain.hf_mappings.bert import dense_rules, encoder_layer_rules, norm_rules, pretraining_head_rules
 from pretrain.hf_mappings.common import Rule
 
 HF_CLASS = "AlbertForPreTraining"
@@ -26,12 +26,11 @@ def rules(config: AlbertConfig) -> list:
   out += norm_rules("encoder/embeddings/norm", "albert.embeddings.LayerNorm")
   out += dense_rules("encoder/embedding_projection", "albert.encoder.embedding_hidden_mapping_in")
   ours = f"encoder/{layers.SHARED_LAYER}"  # the same whether scanned or not
-  out += attention_rules(f"{ours}/attention/attention", f"{HF_SHARED_LAYER}.attention")
-  out += dense_rules(f"{ours}/attention/attention/output", f"{HF_SHARED_LAYER}.attention.dense", num_in_dims=2)
-  out += norm_rules(f"{ours}/attention/norm", f"{HF_SHARED_LAYER}.attention.LayerNorm")
-  out += dense_rules(f"{ours}/ffn/mlp/intermediate", f"{HF_SHARED_LAYER}.ffn")
-  out += dense_rules(f"{ours}/ffn/mlp/output", f"{HF_SHARED_LAYER}.ffn_output")
-  out += norm_rules(f"{ours}/ffn/norm", f"{HF_SHARED_LAYER}.full_layer_layer_norm")
+  out += encoder_layer_rules(ours, query_key_value=f"{HF_SHARED_LAYER}.attention",
+                             attention_output=f"{HF_SHARED_LAYER}.attention.dense",
+                             attention_norm=f"{HF_SHARED_LAYER}.attention.LayerNorm", intermediate=f"{HF_SHARED_LAYER}.ffn",
+                             output=f"{HF_SHARED_LAYER}.ffn_output",
+                             output_norm=f"{HF_SHARED_LAYER}.full_layer_layer_norm")
   out += pretraining_head_rules("sop", pooler="albert.pooler", pair="sop_classifier.classifier",
                                 transform="predictions.dense", transform_norm="predictions.LayerNorm",
                                 output_bias="predictions.bias")

@@ -51,7 +51,7 @@ def stack_rules(side: str, num_layers: int) -> list:
   out += norm_rules(f"{side}/embeddings/norm", f"{hf}.layernorm_embedding")
   for i in range(num_layers):
     ours, theirs = f"{side}/layer_{i}", f"{hf}.layers.{i}"
-    out += attention_rules(f"{ours}/self_attention", f"{theirs}.self_attn", f"{theirs}.self_attn_layer_norm")
+    out += attention_rules(f"{ours}/attention", f"{theirs}.self_attn", f"{theirs}.self_attn_layer_norm")
     if side == "decoder":
       out += attention_rules(f"{ours}/cross_attention", f"{theirs}.encoder_attn", f"{theirs}.encoder_attn_layer_norm")
     out += ffn_rules(f"{ours}/ffn", theirs)

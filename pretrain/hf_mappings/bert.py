@@ -23,14 +23,15 @@ def norm_rules(flax_prefix: str, hf_prefix: str) -> list:
   return [Rule(f"{flax_prefix}/scale", f"{hf_prefix}.weight"), Rule(f"{flax_prefix}/bias", f"{hf_prefix}.bias")]
 
 
-def encoder_layer_rules(flax_prefix: str, hf_prefix: str) -> list:
-  """`layers.PostLNEncoderLayer` against HF's BertLayer / AlbertLayer-style naming."""
-  return (attention_rules(f"{flax_prefix}/attention", f"{hf_prefix}.attention.self")
-          + dense_rules(f"{flax_prefix}/attention/output", f"{hf_prefix}.attention.output.dense", num_in_dims=2)
-          + norm_rules(f"{flax_prefix}/attention_norm", f"{hf_prefix}.attention.output.LayerNorm")
-          + dense_rules(f"{flax_prefix}/ffn/intermediate", f"{hf_prefix}.intermediate.dense")
-          + dense_rules(f"{flax_prefix}/ffn/output", f"{hf_prefix}.output.dense")
-          + norm_rules(f"{flax_prefix}/ffn_norm", f"{hf_prefix}.output.LayerNorm"))
+def encoder_layer_rules(ours: str, *, query_key_value: str, attention_output: str, attention_norm: str,
+                        intermediate: str, output: str, output_norm: str) -> list:
+  """`layers.PostLNEncoderLayer` against the HF names of its parts (BertLayer, AlbertLayer)."""
+  return (attention_rules(f"{ours}/attention/attention", query_key_value)
+          + dense_rules(f"{ours}/attention/attention/output", attention_output, num_in_dims=2)
+          + norm_rules(f"{ours}/attention/norm", attention_norm)
+          + dense_rules(f"{ours}/ffn/mlp/intermediate", intermediate)
+          + dense_rules(f"{ours}/ffn/mlp/output", output)
+          + norm_rules(f"{ours}/ffn/norm", output_norm))
 
 
 def pretraining_head_rules(pair_task: str, *, pooler: str, pair: str, transform: str, transform_norm: str,
@@ -46,7 +47,12 @@ def rules(config: BertConfig) -> list:
          Rule("encoder/embeddings/token_type/embedding", "bert.embeddings.token_type_embeddings.weight")]
   out += norm_rules("encoder/embeddings/norm", "bert.embeddings.LayerNorm")
   for i in range(config.num_layers):
-    out += encoder_layer_rules(f"encoder/layer_{i}", f"bert.encoder.layer.{i}")
+    theirs = f"bert.encoder.layer.{i}"
+    out += encoder_layer_rules(f"encoder/layer_{i}", query_key_value=f"{theirs}.attention.self",
+                               attention_output=f"{theirs}.attention.output.dense",
+                               attention_norm=f"{theirs}.attention.output.LayerNorm",
+                               intermediate=f"{theirs}.intermediate.dense", output=f"{theirs}.output.dense",
+                               output_norm=f"{theirs}.output.LayerNorm")
   out += pretraining_head_rules("nsp", pooler="bert.pooler.dense", pair="cls.seq_relationship",
                                 transform="cls.predictions.transform.dense",
                                 transform_norm="cls.predictions.transform.LayerNorm", output_bias="cls.predictions.bias")

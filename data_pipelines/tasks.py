@@ -40,9 +40,10 @@ def albert_mlm_sop(vocabulary):
 
 def bart_denoising(vocabulary):
   special = vocab.special_ids(vocabulary)
-  return [seqio.CacheDatasetPlaceholder(),
+  return [seqio.CacheDatasetPlaceholder(), functools.partial(denoising.denoising_blocks, with_bos=True),
           functools.partial(denoising.denoising_preprocessor, eos_id=special.eos, mask_id=special.mask,
-                            bos_id=special.bos, decoder_start_id=special.eos, vocab_size=vocabulary.vocab_size)]
+                            bos_id=special.bos, decoder_start_id=special.eos, vocab_size=vocabulary.vocab_size,
+                            word_start=vocab.word_start_table(vocabulary))]
 
 
 @seqio.map_over_dataset
@@ -52,7 +53,7 @@ def _flatten_sentences(example):
 
 def t5_span_corruption(vocabulary):
   special = vocab.special_ids(vocabulary)
-  return [seqio.CacheDatasetPlaceholder(), _flatten_sentences,
+  return [seqio.CacheDatasetPlaceholder(), span_corruption.span_corruption_blocks, _flatten_sentences,
           functools.partial(span_corruption.span_corruption_preprocessor, eos_id=special.eos,
                             first_sentinel_id=vocabulary.vocab_size - 1, decoder_start_id=special.pad)]
 

@@ -13,7 +13,7 @@ import seqio
 import tensorflow as tf
 from scipy import stats
 
-from data_pipelines.objectives import denoising, span_corruption
+from data_pipelines.objectives import denoising, documents, span_corruption
 from helpers import assert_rate, map_examples, seeds
 
 MASK, EOS, BOS = 6, 1, 3
@@ -99,6 +99,34 @@ def test_text_infilling_mask_random_fraction():
   assert placeholders.min() >= 1
   # A random id equals mask_id with chance 1/999, so random spans show as non-mask at 0.5 * 998/999.
   assert_rate((placeholders != MASK).sum(), len(placeholders), 0.5 * 998 / 999, "random-token spans")
+
+
+def test_whole_word_infilling_masks_30_percent_of_words_in_poisson_3_word_spans():
+  rng = np.random.default_rng(1)
+  length, num_docs = 600, 1000
+  word_start = rng.random((num_docs, length)) < 0.5
+  outputs = map_examples(
+      lambda e: denoising.whole_word_infilling(positions(e), e["word_start"], e["seed"], MASK),
+      {**positional_docs(np.full(num_docs, length)), "word_start": word_start})
+  removed, all_spans = [], []
+  for noised, starts in zip(outputs, word_start):
+    starts[0] = True
+    word_of = np.cumsum(starts) - 1
+    kept = noised[noised != MASK] - OFFSET
+    kept_per_word = np.bincount(word_of[kept], minlength=word_of[-1] + 1)
+    assert np.all((kept_per_word == 0) | (kept_per_word == np.bincount(word_of))), "a word was split"
+    # The same document at word level (a token per word) must be a valid token-level infilling.
+    word_level = [MASK if t == MASK else OFFSET + word_of[t - OFFSET] for t in noised]
+    word_level = np.array([w for i, w in enumerate(word_level) if i == 0 or w == MASK or w != word_level[i - 1]])
+    spans = infilling_spans(word_level, word_of[-1] + 1)
+    removed.append((spans.sum(), word_of[-1] + 1))
+    all_spans.append(spans)
+  removed_words, num_words = np.array(removed).T
+  assert_rounded(removed_words, num_words, 0.3, "masked words")
+  all_spans = np.concatenate(all_spans)
+  # ~30 spans per document: sampling error ~0.01, and trimming one span per document lowers the
+  # mean by at most lambda / 30 = 0.1: allow 0.15.
+  assert abs(all_spans.mean() - 3.0) < 0.15, all_spans.mean()
 
 
 def sentence_docs(num_sentences, num_docs, rng):
@@ -257,17 +285,17 @@ def test_seqio_preprocessors_are_reproducible_with_fixed_shapes():
 FIRST_SENTINEL = 31999  # vocab_size - 1 for a 32000-piece vocabulary
 
 
-def reassemble(inputs, targets):
-  """Original tokens from span-corrupted inputs and targets (eos stripped): each sentinel in the
-  inputs is replaced by the tokens following the same sentinel in the targets."""
+def reassemble(inputs, targets, first_sentinel=1000):
+  """Original tokens from span-corrupted inputs and targets (eos stripped): each sentinel (an id
+  above first_sentinel) in the inputs is replaced by the tokens following it in the targets."""
   spans, sentinel = {}, None
   for token in targets:
-    if token > 1000:
+    if token > first_sentinel:
       sentinel = token
       spans[sentinel] = []
     else:
       spans[sentinel].append(token)
-  return [t for token in inputs for t in (spans[token] if token > 1000 else [token])], list(spans)
+  return [t for token in inputs for t in (spans[token] if token > first_sentinel else [token])], list(spans)
 
 
 def test_span_corruption_density_span_length_and_reassembly():
@@ -341,3 +369,50 @@ def test_bad_settings_raise():
                                  eos_id=EOS, mask_id=MASK, bos_id=BOS)
   with pytest.raises(ValueError, match="noise_density"):
     span_corruption.random_spans_noise_mask(10, tf.constant([0, 1]), noise_density=0.0)
+
+
+def test_sentence_blocks_keep_every_token_in_order_each_block_as_full_as_whole_sentences_allow():
+  rng = np.random.default_rng(0)
+  for _ in range(300):
+    max_tokens = int(rng.choice([4, 16, 50]))
+    lengths = rng.integers(1, 40, rng.integers(1, 12))
+    starts = np.cumsum(lengths) - lengths
+    document = tf.RaggedTensor.from_row_lengths(tf.range(int(lengths.sum())), lengths)
+    blocks = documents.sentence_blocks(document, max_tokens).to_list()
+    assert [t for block in blocks for piece in block for t in piece] == list(range(int(lengths.sum())))
+    sizes = [sum(map(len, block)) for block in blocks]
+    assert max(sizes) <= max_tokens
+    for block, next_block in zip(blocks, blocks[1:]):
+      # A block ends where the next piece would not fit; pieces begin at sentence starts unless a
+      # sentence longer than max_tokens was cut (then at multiples of max_tokens into it).
+      assert sum(map(len, block)) + len(next_block[0]) > max_tokens
+    for block in blocks:
+      for piece in block:
+        sentence = np.searchsorted(starts, piece[0], side="right") - 1
+        assert (piece[0] - starts[sentence]) % max_tokens == 0 and len(piece) <= max_tokens
+
+
+@pytest.mark.parametrize("objective", ["bart_denoising", "t5_span_corruption"])
+def test_the_tasks_use_every_token_of_long_documents(objective, demo_paths):
+  """Over one epoch the examples hold the documents' tokens, all of them and in order, though many
+  documents are longer than one example."""
+  from data_pipelines import sources, tasks
+  task = tasks.get_task_or_mixture(f"demo_{objective}")
+  vocabulary = task.output_features["encoder_input_ids"].vocabulary
+  source = sources.TextDocumentSource({"validation": demo_paths["validation"]})
+  document_tokens = [t for doc in documents.tokenize_sentences(
+      source.get_dataset("validation", shuffle=False), task.output_features).as_numpy_iterator()
+                     for sentence in doc["sentences"] for t in sentence]
+  lengths = {"encoder_input_ids": 64, "decoder_input_ids": 64 if objective == "bart_denoising" else 16}
+  examples = list(task.get_dataset(lengths, split="validation", shuffle=False, num_epochs=1).as_numpy_iterator())
+  first_sentinel = vocabulary.vocab_size - vocabulary.extra_ids - 1  # T5's sentinels are the extra ids
+  found = []
+  for example in examples:
+    targets = example["decoder_target_ids"][example["decoder_weights"] > 0]
+    if objective == "bart_denoising":
+      found += targets[1:-1].tolist()  # between bos and eos
+    else:
+      inputs = example["encoder_input_ids"][example["encoder_input_ids"] > 0]
+      found += reassemble(inputs[:-1].tolist(), targets[:-1].tolist(), first_sentinel)[0]
+  assert len(examples) > 100
+  assert found == document_tokens

@@ -3,11 +3,13 @@
 Every function is graph-mode safe (usable inside tf.data / seqio map functions) and takes an explicit
 stateless `seed` (int32/int64 tensor of shape [2]): the same seed gives the same output.
 
-Semantics follow fairseq's `denoising` task, with two deliberate differences:
+Semantics follow fairseq's `denoising` task: documents are cut into blocks of whole sentences
+that fit one example (its 'complete_doc' blocks), and infilling spans cover whole words when the
+task gives word starts (its mask_whole_words). Two deliberate differences:
 - text-infilling spans never overlap or touch (fairseq lets random spans merge), so each mask token
-  stands for exactly one span and exactly round(ratio * n) tokens are masked;
-- token counts are round(n * ratio) rather than ceil.
-The encoder input is [bos] + noised document + [eos]; the decoder target is [bos] + original + [eos]
+  stands for exactly one span and exactly round(ratio * n) tokens (or words) are masked;
+- counts are round(n * ratio) rather than ceil.
+The encoder input is [bos] + noised block + [eos]; the decoder target is [bos] + original + [eos]
 (bos only when given, as in fairseq/HF BART, whose decoder starts from eos).
 """
 import dataclasses
@@ -15,6 +17,8 @@ from typing import Optional
 
 import seqio
 import tensorflow as tf
+
+from data_pipelines.objectives import documents
 
 
 def split_seed(seed, num: int):
@@ -143,19 +147,51 @@ def text_infilling(tokens, seed, mask_id: int, ratio: float = 0.3, poisson_lambd
   source_position = kept_index + tf.cumsum(gap_length)[:num_kept]
   output_position = kept_index + tf.cumsum(tf.cast(has_span, tf.int32))[:num_kept]
 
-  output_length = num_kept + num_spans
-  filler = tf.fill([output_length], tf.constant(mask_id, tokens.dtype))
-  if mask_random_ratio > 0:
-    random_ids = tf.random.stateless_uniform([output_length], random_id_seed, minval=1,
-                                             maxval=vocab_size, dtype=tokens.dtype)
-    use_random = tf.random.stateless_uniform([output_length], random_seed) < mask_random_ratio
-    filler = tf.where(use_random, random_ids, filler)
+  filler = span_fillers(num_kept + num_spans, (random_seed, random_id_seed), tokens.dtype, mask_id,
+                        mask_random_ratio, vocab_size)
   return tf.tensor_scatter_nd_update(filler, output_position[:, None], tf.gather(tokens, source_position))
 
 
+def span_fillers(count, seeds, dtype, mask_id: int, mask_random_ratio: float, vocab_size: Optional[int]):
+  """`count` ids that stand for removed spans: mask_id, or a random id from [1, vocab_size) with
+  probability mask_random_ratio."""
+  filler = tf.fill([count], tf.constant(mask_id, dtype))
+  if mask_random_ratio == 0:
+    return filler
+  choice_seed, id_seed = seeds
+  random_ids = tf.random.stateless_uniform([count], id_seed, minval=1, maxval=vocab_size, dtype=dtype)
+  return tf.where(tf.random.stateless_uniform([count], choice_seed) < mask_random_ratio, random_ids, filler)
+
+
+def whole_word_infilling(tokens, word_start, seed, mask_id: int, ratio: float = 0.3, poisson_lambda: float = 3.0,
+                         mask_random_ratio: float = 0.0, vocab_size: Optional[int] = None):
+  """`text_infilling` in units of whole words, as fairseq's BART (mask_whole_words): a span covers
+  whole words, its Poisson length counts words, and round(ratio * words) words are masked.
+
+  word_start: bool per token, True where a word begins (the first token always begins one).
+  """
+  if mask_random_ratio > 0 and vocab_size is None:
+    raise ValueError("whole_word_infilling: mask_random_ratio > 0 needs vocab_size")
+  spans_seed, *fill_seeds = split_seed(seed, 3)
+  starts = tf.logical_or(tf.cast(word_start, tf.bool), tf.range(tf.size(tokens)) == 0)
+  num_words = tf.reduce_sum(tf.cast(starts, tf.int32))
+  word_of_token = tf.cumsum(tf.cast(starts, tf.int64)) - 1
+  words = tf.RaggedTensor.from_value_rowids(tokens, word_of_token, nrows=tf.cast(num_words, tf.int64))
+  # Infill the sequence of word indices; -1 marks a span. Row num_words of the table is the span's id.
+  units = text_infilling(tf.range(num_words), spans_seed, -1, ratio, poisson_lambda)
+  table = tf.concat([words, tf.RaggedTensor.from_row_lengths(tf.constant([mask_id], tokens.dtype), [1])], 0)
+  output = tf.gather(table, tf.where(units < 0, num_words, units))
+  is_span = tf.repeat(units < 0, output.row_lengths())
+  fillers = span_fillers(tf.size(is_span), fill_seeds, tokens.dtype, mask_id, mask_random_ratio, vocab_size)
+  return tf.where(is_span, fillers, output.flat_values)
+
+
 def noise_document(sentences: tf.RaggedTensor, seed, config: DenoisingConfig, mask_id: int,
-                   vocab_size: Optional[int] = None):
-  """Applies the configured noise in fairseq's order: permutation, masking, infilling, deletion, rotation."""
+                   vocab_size: Optional[int] = None, word_start=None):
+  """Applies the configured noise in fairseq's order: permutation, masking, infilling, deletion, rotation.
+
+  With `word_start` (bool per vocabulary id) infilling spans cover whole words, else single tokens.
+  """
   permute_seed, masking_seed, infilling_seed, deletion_seed, rotate_seed, rotate_choice_seed = (
       split_seed(seed, 6))  # a fixed split: enabling one noise never changes another's draws
   if config.permute_sentence_ratio > 0:
@@ -163,7 +199,10 @@ def noise_document(sentences: tf.RaggedTensor, seed, config: DenoisingConfig, ma
   tokens = sentences.flat_values
   if config.token_masking_ratio > 0:
     tokens = token_masking(tokens, masking_seed, mask_id, config.token_masking_ratio)
-  if config.infilling_ratio > 0:
+  if config.infilling_ratio > 0 and word_start is not None:
+    tokens = whole_word_infilling(tokens, tf.gather(word_start, tokens), infilling_seed, mask_id,
+                                  config.infilling_ratio, config.poisson_lambda, config.mask_random_ratio, vocab_size)
+  elif config.infilling_ratio > 0:
     tokens = text_infilling(tokens, infilling_seed, mask_id, config.infilling_ratio,
                             config.poisson_lambda, config.mask_random_ratio, vocab_size)
   if config.token_deletion_ratio > 0:
@@ -184,21 +223,35 @@ def truncate_sentences(sentences: tf.RaggedTensor, max_tokens) -> tf.RaggedTenso
   return tf.ragged.boolean_mask(truncated, kept > 0)
 
 
-def denoising_features(sentences, seed, *, encoder_length: int, decoder_length: int, eos_id: int,
-                       mask_id: int, bos_id: Optional[int] = None, decoder_start_id: Optional[int] = None,
-                       vocab_size: Optional[int] = None, config: DenoisingConfig = DenoisingConfig()):
-  """One BART example from a document: a RaggedTensor [num_sentences, None] of ids (or a 1-D tensor,
-  one sentence). Noise is applied to the leading chunk that fits both lengths; the decoder starts
-  from `decoder_start_id` (default eos_id, as BART)."""
-  prefix = tf.constant([] if bos_id is None else [bos_id], tf.int32)
-  chunk_length = min(encoder_length, decoder_length) - prefix.shape[0] - 1
-  if chunk_length < 1:
+def chunk_length(encoder_length: int, decoder_length: int, with_bos: bool) -> int:
+  """Most document tokens an example holds: both sides add eos, and bos when given."""
+  length = min(encoder_length, decoder_length) - int(with_bos) - 1
+  if length < 1:
     raise ValueError(f"denoising: encoder_length={encoder_length} / decoder_length={decoder_length} "
                      "leave no room for tokens besides bos/eos")
+  return length
+
+
+def denoising_blocks(dataset: tf.data.Dataset, sequence_length, *, with_bos: bool) -> tf.data.Dataset:
+  """seqio preprocessor: each document -> its blocks of whole sentences that fit one example."""
+  length = chunk_length(sequence_length["encoder_input_ids"], sequence_length["decoder_input_ids"], with_bos)
+  return documents.split_into_blocks(dataset, length)
+
+
+def denoising_features(sentences, seed, *, encoder_length: int, decoder_length: int, eos_id: int,
+                       mask_id: int, bos_id: Optional[int] = None, decoder_start_id: Optional[int] = None,
+                       vocab_size: Optional[int] = None, word_start=None,
+                       config: DenoisingConfig = DenoisingConfig()):
+  """One BART example from a document: a RaggedTensor [num_sentences, None] of ids (or a 1-D tensor,
+  one sentence). Noise is applied to the leading chunk that fits both lengths (the task's
+  `denoising_blocks` makes every block fit); the decoder starts from `decoder_start_id` (default
+  eos_id, as BART). `word_start` (bool per vocabulary id) makes infilling spans whole words."""
+  prefix = tf.constant([] if bos_id is None else [bos_id], tf.int32)
   if not isinstance(sentences, tf.RaggedTensor):
     sentences = tf.RaggedTensor.from_tensor(tf.reshape(sentences, [1, -1]))
-  sentences = truncate_sentences(tf.cast(sentences, tf.int32), chunk_length)
-  noised = noise_document(sentences, seed, config, mask_id, vocab_size)
+  sentences = truncate_sentences(tf.cast(sentences, tf.int32),
+                                 chunk_length(encoder_length, decoder_length, bos_id is not None))
+  noised = noise_document(sentences, seed, config, mask_id, vocab_size, word_start)
   # Zero-length spans can make the noised chunk longer than the original: trim it, keep eos.
   inputs = tf.concat([prefix, noised[:encoder_length - prefix.shape[0] - 1], [eos_id]], 0)
   targets = tf.concat([prefix, sentences.flat_values, [eos_id]], 0)

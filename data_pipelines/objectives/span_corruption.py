@@ -9,6 +9,7 @@ spans, interleaved starting with non-noise. Sentinel ids count down from `first_
 import seqio
 import tensorflow as tf
 
+from data_pipelines.objectives import documents
 from data_pipelines.objectives.denoising import encoder_decoder_features, random_subset_mask, split_seed
 
 
@@ -80,6 +81,15 @@ def max_tokens_for_lengths(encoder_length: int, decoder_length: int, noise_densi
           & (num_noise + num_spans + 1 <= decoder_length))
   leading_fits = tf.math.cumprod(tf.cast(fits, tf.int32))
   return tf.reduce_sum(leading_fits) + 1  # lengths 1..n all fit
+
+
+def span_corruption_blocks(dataset: tf.data.Dataset, sequence_length, *, noise_density: float = 0.15,
+                           mean_noise_span_length: float = 3.0) -> tf.data.Dataset:
+  """seqio preprocessor: each document's ids -> consecutive blocks that each fit one example (T5's
+  split_tokens), so no text of a long document is left out."""
+  length = max_tokens_for_lengths(sequence_length["encoder_input_ids"], sequence_length["decoder_input_ids"],
+                                  noise_density, mean_noise_span_length)
+  return documents.split_into_blocks(dataset, length, whole_sentences=False)
 
 
 def span_corruption_features(tokens, seed, *, encoder_length: int, decoder_length: int, eos_id: int,

@@ -112,8 +112,10 @@ def _same_document(a: tf.RaggedTensor, b: tf.RaggedTensor) -> tf.Tensor:
 @seqio.map_over_dataset(num_seeds=1)
 def _attach_plan(example, seed, **plan_kwargs):
   sentences, other = example["sentences"], example["other"]
+  # Only NSP draws from another document (SOP's `other` is the document itself, never consulted).
+  distinct = tf.logical_not(_same_document(sentences, other)) if plan_kwargs["mode"] == NSP else True
   plan = plan_pairs(tf.cast(sentences.row_lengths(), tf.int32), tf.cast(other.row_lengths(), tf.int32), seed,
-                    other_is_distinct=tf.logical_not(_same_document(sentences, other)), **plan_kwargs)
+                    other_is_distinct=distinct, **plan_kwargs)
   return {**example, "plan": plan, "seed": seed}
 
 

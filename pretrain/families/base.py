@@ -46,9 +46,9 @@ class Family(abc.ABC):
     return {}
 
   def data_shards(self, batch_size: int) -> Optional[int]:
-    """Families whose rows carry state across steps read one data shard per row (batch_size)."""
-    del batch_size
-    return None
+    """Families whose rows carry state across steps read one data shard per row, so that the state
+    carried for a row continues that row's text; the others leave it to DATA_SHARDS (None)."""
+    return batch_size if self.carry_axes() else None
 
   def reverse_odd_rows(self) -> bool:
     """Whether odd batch rows read the reversed text of the row before (XLNet's bi_data)."""

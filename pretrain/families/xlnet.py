@@ -33,10 +33,6 @@ class XLNetFamily(Family):
     cfg = self.config
     return {"mems": jnp.zeros((batch_size, cfg.n_layer, cfg.mem_len, cfg.d_model), jnp.float32)}
 
-  def data_shards(self, batch_size):
-    # Every row continues its own text stream, so the memory carried for that row means something.
-    return batch_size
-
   def reverse_odd_rows(self):
     return self.config.bi_data
 

@@ -18,8 +18,11 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from data_pipelines import tasks
+from data_pipelines import sources, tasks
 from data_pipelines.feature_converters import FixedShapeFeatureConverter
+
+
+REREAD_WARNING_BYTES = 2**30  # a host reading its text more than once beyond this is worth a warning
 
 
 class InputPipeline:
@@ -50,6 +53,8 @@ class InputPipeline:
     self.reverse_odd_rows = reverse_odd_rows
     if reverse_odd_rows and self.shards_per_process % 2:
       raise ValueError(f"bi_data needs an even number of data shards per process, got {self.shards_per_process}")
+    if self.process_index == 0:
+      self._warn_if_shards_reread("train")
 
   @property
   def vocabulary(self) -> seqio.Vocabulary:
@@ -68,6 +73,20 @@ class InputPipeline:
       return self.task.name, seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
     task_name = f"{self.task.name}_reversed" if index % 2 else self.task.name
     return task_name, seqio.ShardInfo(index=index // 2, num_shards=self.num_data_shards // 2)
+
+  def _warn_if_shards_reread(self, split: str) -> None:
+    """Text sources shard by file: with fewer files than shards every shard reads all of them."""
+    num_shards = self.data_shard(0)[1].num_shards
+    for task in seqio.get_subtasks(self.task):
+      source = task.source
+      if not isinstance(source, sources.TextDocumentSource) or split not in source.splits:
+        continue
+      num_files, size = len(source.list_shards(split)), source.total_bytes(split)
+      per_host = size * self.shards_per_process
+      if num_files < num_shards and per_host > REREAD_WARNING_BYTES:
+        print(f"warning: {task.name} reads {num_files} file(s) ({size / 2**30:.2f} GiB) as {num_shards} data "
+              f"shards, so each shard reads all of them: {per_host / 2**30:.1f} GiB per host per pass. "
+              f"Split the text into {num_shards} files: python -m data_pipelines.split_text --num_files={num_shards}")
 
   def dataset(self, split: str, shuffle: bool, repeat: bool) -> tf.data.Dataset:
     rows_per_shard = self.host_batch_size // self.shards_per_process

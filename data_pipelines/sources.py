@@ -63,6 +63,9 @@ class TextDocumentSource(seqio.DataSource):
       raise ValueError(f"{self._setting}={pattern!r}: every matching file is empty")
     return files
 
+  def total_bytes(self, split: str) -> int:
+    return sum(tf.io.gfile.stat(f).length for f in self.list_shards(split))
+
   def get_dataset(self, split: str = "train", shuffle: bool = True, seed: Optional[int] = None,
                   shard_info: Optional[seqio.ShardInfo] = None, *, sequence_length=None, use_cached=False,
                   num_epochs=1) -> tf.data.Dataset:

@@ -92,13 +92,14 @@ def accelerator_type(topology: str) -> str:
   return f"{chip.cloud_name}-{chips * chip.tensorcores}"
 
 
-def train_arguments() -> dict:
-  """trainer.train's gin-bound arguments that shape the step, evaluated as train() would receive them."""
+def train_arguments(names=STEP_ARGUMENTS) -> dict:
+  """trainer.train's gin-bound arguments (by default those that shape the step), evaluated as
+  train() would receive them."""
   from pretrain import trainer
   bound = gin.get_bindings(trainer.train, resolve_references=False)  # leaves MODEL_DIR & co. unevaluated
   signature = inspect.signature(trainer.train).parameters
   arguments = {}
-  for name in STEP_ARGUMENTS:
+  for name in names:
     if name in bound:
       arguments[name] = copy.deepcopy(bound[name])  # deepcopy is how gin evaluates @references and %MACROS
     elif signature[name].default is not inspect.Parameter.empty:

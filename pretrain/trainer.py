@@ -264,6 +264,22 @@ def _state_from_weights(setup: Setup, params, seed: int) -> TrainState:
   return jax.jit(fresh, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed), params)
 
 
+def input_pipeline_for_run(family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
+                           batch_size: int, batch_shards: int, seed: int, data_shards: Optional[int],
+                           **process) -> input_pipeline.InputPipeline:
+  """This process's batches of the run's task, shaped for the family. `process`: process_index and
+  process_count when not this JAX process's (benchmarks/input_pipeline.py plays one host of many)."""
+  family_shards = family.data_shards(batch_size)
+  if family_shards and data_shards not in (None, family_shards):
+    raise ValueError(f"DATA_SHARDS={data_shards}: {family.name} reads one data shard per batch row "
+                     f"(BATCH_SIZE={batch_size}); leave DATA_SHARDS unset")
+  batch_shapes = family.feature_shapes(batch_size, task_feature_lengths)
+  return input_pipeline.InputPipeline(mixture_or_task_name, task_feature_lengths, batch_size,
+                                      {k: (s.shape[1:], s.dtype) for k, s in batch_shapes.items()},
+                                      batch_shards=batch_shards, seed=seed, num_data_shards=family_shards or data_shards,
+                                      reverse_odd_rows=family.reverse_odd_rows(), **process)
+
+
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
@@ -278,16 +294,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   Returns a summary: first and last logged loss, steps run this call, checkpoint directory.
   """
   mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
-  batch_shapes = family.feature_shapes(batch_size, task_feature_lengths)
-  family_shards = family.data_shards(batch_size)
-  if family_shards and data_shards not in (None, family_shards):
-    raise ValueError(f"DATA_SHARDS={data_shards}: {family.name} reads one data shard per batch row "
-                     f"(BATCH_SIZE={batch_size}); leave DATA_SHARDS unset")
-  data = input_pipeline.InputPipeline(mixture_or_task_name, task_feature_lengths, batch_size,
-                                      {k: (s.shape[1:], s.dtype) for k, s in batch_shapes.items()},
-                                      batch_shards=partitioning.batch_shards(mesh),
-                                      seed=seed, num_data_shards=family_shards or data_shards,
-                                      reverse_odd_rows=family.reverse_odd_rows())
+  data = input_pipeline_for_run(family, mixture_or_task_name, task_feature_lengths, batch_size,
+                                partitioning.batch_shards(mesh), seed, data_shards)
   setup = setup_for_run(family, task_feature_lengths, batch_size, mesh, optimizer, schedule, microbatches,
                         data.vocabulary.vocab_size, per_device_batch)
   family = setup.family

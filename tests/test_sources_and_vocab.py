@@ -234,3 +234,35 @@ def test_a_run_trains_from_wikipedia_and_books_through_the_gin_file(tiny_wiki_di
 def test_a_vocabulary_without_train_files_is_an_error_not_the_demo_text(demo_paths):
   with pytest.raises(ValueError, match="VOCAB_MODEL='.*' is set but the 'books' corpus has no train files"):
     tasks.text_task("bert_mlm_nsp", vocab_model=demo_paths["vocab_model"], corpus="books")
+
+
+def test_split_text_writes_whole_documents_in_order_in_even_parts(tmp_path, demo_paths):
+  rng = np.random.default_rng(0)
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for f in range(3):
+    docs = ["\n".join(f"File {f} document {d} sentence {s}." for s in range(rng.integers(1, 8)))
+            for d in range(100)]
+    (corpus / f"{f}.txt").write_bytes("\n\n  \n".join(docs).encode() + b" \xff bytes.\n")
+  result = run_module("data_pipelines.split_text", f"--input={corpus}/*.txt", f"--output_dir={tmp_path}/parts",
+                      "--num_files=16", timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  parts = sorted((tmp_path / "parts").iterdir())
+  assert [p.name for p in parts] == [f"part-{i:05d}-of-00016.txt" for i in range(16)]
+  assert documents(str(tmp_path / "parts" / "*.txt")) == documents(str(corpus / "*.txt"))
+  sizes = np.array([p.stat().st_size for p in parts])
+  largest_document = max(len(d) for d in documents(str(corpus / "*.txt")))
+  assert sizes.max() - sizes.min() <= 2 * largest_document
+
+
+def test_a_pipeline_warns_when_its_shards_reread_a_few_files(tmp_path, demo_paths, monkeypatch, capsys):
+  from data_pipelines import input_pipeline
+  monkeypatch.setattr(input_pipeline, "REREAD_WARNING_BYTES", 0)
+  (tmp_path / "one").mkdir()
+  (tmp_path / "one" / "a.txt").write_text(chapter(0) + "\n\n" + chapter(1) + "\n")
+  name = tasks.text_task("bert_mlm_nsp", train_files=str(tmp_path / "one" / "*.txt"), vocab_model=demo_paths["vocab_model"])
+  input_pipeline.InputPipeline(name, LENGTHS, 4, {}, num_data_shards=4, process_index=0, process_count=1)
+  warning = capsys.readouterr().out
+  assert "reads 1 file(s)" in warning and "python -m data_pipelines.split_text --num_files=4" in warning
+  input_pipeline.InputPipeline(name, LENGTHS, 4, {}, num_data_shards=1, process_index=0, process_count=1)
+  assert "warning" not in capsys.readouterr().out

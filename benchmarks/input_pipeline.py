@@ -1,0 +1,69 @@
+"""One host's input pipeline for a run, on this machine: how fast it makes that host's batches.
+
+  python benchmarks/input_pipeline.py --gin_file=gin_configs/runs/xlnet_large_v3_512.gin \
+      [--processes=64] [--batches=20] [--step_seconds=1.56] [--gin.KEY=VALUE ...]
+
+Builds the run's data exactly as pretrain.train does on process 0 of `--processes` (its share of
+the global batch, its data shards, XLNet's one stream per row), then times the first batch
+(start-up: reading, tokenizing and filling buffers) and the next `--batches`. With
+`--step_seconds` (e.g. the plan's step-time estimate) it prints the examples per second one host
+must reach. The run file's TRAIN_FILES (unset: the demo corpus) are read; point them at real data
+for real figures. A TPU v3 host has 96 vCPUs: compare per-core rates, not totals.
+"""
+import argparse
+import os
+import sys
+import time
+
+from pretrain import cli, plan, trainer
+
+DATA_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "seed", "data_shards")
+
+
+def parse(argv):
+  files, bindings, rest = cli.split_gin_args(argv)
+  parser = argparse.ArgumentParser(prog="python benchmarks/input_pipeline.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--processes", type=int, default=64, help="hosts that share the global batch")
+  parser.add_argument("--batches", type=int, default=20, help="batches timed after the first")
+  parser.add_argument("--step_seconds", type=float, help="the step time the pipeline must keep up with")
+  args = parser.parse_args(rest)
+  if not files:
+    parser.error("give the run: --gin_file=gin_configs/runs/<run>.gin")
+  if args.processes < 1 or args.batches < 1:
+    parser.error("--processes and --batches must be >= 1")
+  return files, bindings, args
+
+
+def main(argv) -> None:
+  files, bindings, args = parse(argv)
+  cli.parse_gin(files, bindings)
+  run = plan.train_arguments(DATA_ARGUMENTS)
+  data = trainer.input_pipeline_for_run(run["family"], run["mixture_or_task_name"], run["task_feature_lengths"],
+                                        run["batch_size"], 1, run["seed"], run["data_shards"], process_index=0,
+                                        process_count=args.processes)
+  print(f"{run['family'].name}: global batch {run['batch_size']}, {args.processes} hosts -> {data.host_batch_size} "
+        f"rows per host from {data.shards_per_process} data shard(s) of {data.num_data_shards}; "
+        f"this machine has {os.cpu_count()} CPUs")
+  start = time.perf_counter()
+  batches = data.iterator("train")
+  next(batches)
+  first = time.perf_counter() - start
+  start = time.perf_counter()
+  for _ in range(args.batches):
+    next(batches)
+  per_batch = (time.perf_counter() - start) / args.batches
+  examples_per_second = data.host_batch_size / per_batch
+  print(f"first batch after {first:.1f} s; then {per_batch:.2f} s per batch = {examples_per_second:.1f} examples/s "
+        f"({examples_per_second / os.cpu_count():.1f} per CPU)")
+  if args.step_seconds:
+    needed = data.host_batch_size / args.step_seconds
+    verdict = "keeps up" if examples_per_second >= needed else f"needs {needed / examples_per_second:.1f}x this speed"
+    print(f"a {args.step_seconds} s step needs {needed:.1f} examples/s per host: this machine {verdict}")
+
+
+if __name__ == "__main__":
+  try:
+    main(sys.argv[1:])
+  except cli.USER_ERRORS as error:
+    sys.exit(f"input_pipeline: error: {str(error).strip().splitlines()[0]}")

@@ -209,6 +209,23 @@ def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_
   assert not np.array_equal(from_wiki[:, 0], from_wiki[:, 1])
 
 
+def test_a_mixtures_iterator_resumes_exactly_from_its_checkpoint(tiny_wiki_dir, books_file, demo_paths, tmp_path):
+  import tensorflow as tf
+  from data_pipelines.input_pipeline import InputPipeline
+  name = wiki_and_books(tiny_wiki_dir, books_file, demo_paths["vocab_model"], rates=[3, 1])
+  pipeline = InputPipeline(name, LENGTHS, 8, {"input_ids": ((LENGTHS["input_ids"],), tf.int32)}, num_data_shards=2,
+                           process_index=0, process_count=1)
+  iterator = pipeline.iterator()
+  for _ in range(3):
+    next(iterator)
+  tf.train.Checkpoint(iterator=iterator).write(str(tmp_path / "iterator"))  # as pretrain.checkpoints saves it
+  expected = [next(iterator)["input_ids"].numpy() for _ in range(3)]
+  resumed = pipeline.iterator()
+  tf.train.Checkpoint(iterator=resumed).read(str(tmp_path / "iterator")).assert_consumed()
+  for batch in expected:
+    np.testing.assert_array_equal(next(resumed)["input_ids"].numpy(), batch)
+
+
 def test_a_mixture_needs_one_positive_rate_per_task(demo_paths):
   with pytest.raises(ValueError, match=r"mixture 'm': expected one positive rate per task"):
     tasks.mixture("m", ["demo_bert_mlm_nsp", "demo_albert_mlm_sop"], rates=[1])

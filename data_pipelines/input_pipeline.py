@@ -81,9 +81,12 @@ class InputPipeline:
       source = task.source
       if not isinstance(source, sources.TextDocumentSource) or split not in source.splits:
         continue
-      num_files, size = len(source.list_shards(split)), source.total_bytes(split)
+      num_files = len(source.list_shards(split))
+      if num_files >= num_shards:
+        continue
+      size = source.total_bytes(split)
       per_host = size * self.shards_per_process
-      if num_files < num_shards and per_host > REREAD_WARNING_BYTES:
+      if per_host > REREAD_WARNING_BYTES:
         print(f"warning: {task.name} reads {num_files} file(s) ({size / 2**30:.2f} GiB) as {num_shards} data "
               f"shards, so each shard reads all of them: {per_host / 2**30:.1f} GiB per host per pass. "
               f"Split the text into {num_shards} files: python -m data_pipelines.split_text --num_files={num_shards}")

@@ -36,6 +36,7 @@ class TextDocumentSource(seqio.DataSource):
     self._patterns = dict(split_to_filepattern)
     self._setting = setting
     self._files = {}
+    self._sizes = {}
 
   @property
   def supports_arbitrary_sharding(self) -> bool:
@@ -54,7 +55,8 @@ class TextDocumentSource(seqio.DataSource):
     files = seqio.utils.list_files(pattern)
     if not files:
       raise FileNotFoundError(f"{self._setting}={pattern!r} matches no files")
-    empty = [f for f in files if tf.io.gfile.stat(f).length == 0]
+    self._sizes[split] = {f: tf.io.gfile.stat(f).length for f in files}
+    empty = [f for f in files if self._sizes[split][f] == 0]
     if empty:
       logging.warning("skipping %d empty file(s) of %s, e.g. %s", len(empty), pattern, empty[0])
       print(f"warning: skipping {len(empty)} empty file(s) matching {pattern!r}, e.g. {empty[0]}")
@@ -64,7 +66,7 @@ class TextDocumentSource(seqio.DataSource):
     return files
 
   def total_bytes(self, split: str) -> int:
-    return sum(tf.io.gfile.stat(f).length for f in self.list_shards(split))
+    return sum(self._sizes[split][f] for f in self.list_shards(split))  # sizes from the listing
 
   def get_dataset(self, split: str = "train", shuffle: bool = True, seed: Optional[int] = None,
                   shard_info: Optional[seqio.ShardInfo] = None, *, sequence_length=None, use_cached=False,

@@ -48,6 +48,8 @@ def split_text(pattern: str, output_dir: str, num_files: int) -> int:
   if not paths:
     raise FileNotFoundError(f"--input={pattern!r} matches no files")
   total = sum(tf.io.gfile.stat(p).length for p in paths)
+  if tf.io.gfile.exists(output_dir) and tf.io.gfile.listdir(output_dir):
+    raise ValueError(f"--output_dir={output_dir!r} is not empty: parts of another split would mix with these")
   tf.io.gfile.makedirs(output_dir)
   index, out, read_before = 0, None, 0
   for lines, read in documents(paths):

@@ -40,10 +40,10 @@ def albert_mlm_sop(vocabulary):
 
 def bart_denoising(vocabulary):
   special = vocab.special_ids(vocabulary)
-  return [seqio.CacheDatasetPlaceholder(), functools.partial(denoising.denoising_blocks, with_bos=True),
-          functools.partial(denoising.denoising_preprocessor, eos_id=special.eos, mask_id=special.mask,
-                            bos_id=special.bos, decoder_start_id=special.eos, vocab_size=vocabulary.vocab_size,
-                            word_start=vocab.word_start_table(vocabulary))]
+  settings = dict(eos_id=special.eos, mask_id=special.mask, bos_id=special.bos, decoder_start_id=special.eos,
+                  vocab_size=vocabulary.vocab_size, word_start=vocab.word_start_table(vocabulary))
+  return [seqio.CacheDatasetPlaceholder(), functools.partial(denoising.denoising_blocks, bos_id=settings["bos_id"]),
+          functools.partial(denoising.denoising_preprocessor, **settings)]
 
 
 @seqio.map_over_dataset

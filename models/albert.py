@@ -83,8 +83,8 @@ class AlbertEncoder(nn.Module):
       x, _ = layers.layer_stack(
           layers.PostLNEncoderLayer, cfg.num_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
           remat_policy=cfg.remat_policy, shared=cfg.share == "all", num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-          mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype,
-          approximate_gelu=cfg.approximate_gelu)
+          mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.dropout_rate,
+          layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, approximate_gelu=cfg.approximate_gelu)
       return x, word
 
     def sublayers(make, block_cls, name: str, shared: bool) -> list:

@@ -85,7 +85,8 @@ class BertEncoder(nn.Module):
     x, _ = layers.layer_stack(
         layers.PostLNEncoderLayer, cfg.num_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
         remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
-        dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype)
+        dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps,
+        dtype=cfg.dtype)
     return x, word
 
 

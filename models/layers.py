@@ -179,17 +179,16 @@ class PostLNEncoderLayer(nn.Module):
   mlp_dim: int
   dropout_rate: float
   layer_norm_eps: float
+  attention_dropout_rate: float
   dtype: Dtype = jnp.float32
-  attention_dropout_rate: Optional[float] = None  # None: dropout_rate
   activation_dropout_rate: float = 0.0
   approximate_gelu: bool = False
 
   @nn.compact
   def __call__(self, x, bias, deterministic: bool):
     """-> (x, None): the `layer_stack` protocol."""
-    attention_dropout = self.dropout_rate if self.attention_dropout_rate is None else self.attention_dropout_rate
-    x = PostLNAttentionBlock(self.num_heads, self.head_dim, self.dropout_rate, attention_dropout, self.layer_norm_eps,
-                             self.dtype, name="attention")(x, x, bias, deterministic)
+    x = PostLNAttentionBlock(self.num_heads, self.head_dim, self.dropout_rate, self.attention_dropout_rate,
+                             self.layer_norm_eps, self.dtype, name="attention")(x, x, bias, deterministic)
     x = PostLNFeedForwardBlock(self.mlp_dim, self.dropout_rate, self.activation_dropout_rate, self.layer_norm_eps,
                                self.dtype, self.approximate_gelu, name="ffn")(x, deterministic)
     return x, None

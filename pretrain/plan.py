@@ -73,7 +73,7 @@ STEP_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "bat
 
 
 class DoesNotFit(Exception):
-  """The compiler ran out of HBM; the message is its one-line reason."""
+  """The step needs more HBM than the device has; the message says so in one line."""
 
 
 def parse_topology(name: str) -> tuple:

@@ -285,17 +285,17 @@ def test_seqio_preprocessors_are_reproducible_with_fixed_shapes():
 FIRST_SENTINEL = 31999  # vocab_size - 1 for a 32000-piece vocabulary
 
 
-def reassemble(inputs, targets, first_sentinel=1000):
+def reassemble(inputs, targets, last_token_id=1000):
   """Original tokens from span-corrupted inputs and targets (eos stripped): each sentinel (an id
-  above first_sentinel) in the inputs is replaced by the tokens following it in the targets."""
+  above last_token_id) in the inputs is replaced by the tokens following it in the targets."""
   spans, sentinel = {}, None
   for token in targets:
-    if token > first_sentinel:
+    if token > last_token_id:
       sentinel = token
       spans[sentinel] = []
     else:
       spans[sentinel].append(token)
-  return [t for token in inputs for t in (spans[token] if token > first_sentinel else [token])], list(spans)
+  return [t for token in inputs for t in (spans[token] if token > last_token_id else [token])], list(spans)
 
 
 def test_span_corruption_density_span_length_and_reassembly():
@@ -405,7 +405,7 @@ def test_the_tasks_use_every_token_of_long_documents(objective, demo_paths):
                      for sentence in doc["sentences"] for t in sentence]
   lengths = {"encoder_input_ids": 64, "decoder_input_ids": 64 if objective == "bart_denoising" else 16}
   examples = list(task.get_dataset(lengths, split="validation", shuffle=False, num_epochs=1).as_numpy_iterator())
-  first_sentinel = vocabulary.vocab_size - vocabulary.extra_ids - 1  # T5's sentinels are the extra ids
+  last_token_id = vocabulary.vocab_size - vocabulary.extra_ids - 1  # T5's sentinels are the extra ids above
   found = []
   for example in examples:
     targets = example["decoder_target_ids"][example["decoder_weights"] > 0]
@@ -413,6 +413,6 @@ def test_the_tasks_use_every_token_of_long_documents(objective, demo_paths):
       found += targets[1:-1].tolist()  # between bos and eos
     else:
       inputs = example["encoder_input_ids"][example["encoder_input_ids"] > 0]
-      found += reassemble(inputs[:-1].tolist(), targets[:-1].tolist(), first_sentinel)[0]
+      found += reassemble(inputs[:-1].tolist(), targets[:-1].tolist(), last_token_id)[0]
   assert len(examples) > 100
   assert found == document_tokens

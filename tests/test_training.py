@@ -71,8 +71,8 @@ BERT_RUN, XLNET_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_f
      "TFDS dataset 'wikipedia/20230601.en:1.0.0' is not prepared in TFDS_DATA_DIR='/nonexistent'"),
     ([XLNET_RUN, "--gin.DATA_SHARDS=2"], "DATA_SHARDS=2: xlnet reads one data shard per batch row (BATCH_SIZE=16)"),
 ])
-def test_bad_configuration_fails_with_one_line(args, message):
-  result = run_module("pretrain.train", *args, "--gin.MODEL_DIR='/tmp/unused'", timeout=300)
+def test_bad_configuration_fails_with_one_line(args, message, tmp_path):
+  result = run_module("pretrain.train", *args, f"--gin.MODEL_DIR='{tmp_path}'", timeout=300)
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("pretrain.train: error:") and message in last, result.stderr[-1500:]

@@ -126,8 +126,6 @@ def text_infilling(tokens, seed, mask_id: int, ratio: float = 0.3, poisson_lambd
   each mask stands for exactly one span (zero-length spans insert a mask). A `mask_random_ratio`
   fraction of spans gets a random id from [1, vocab_size) instead of mask_id.
   """
-  if mask_random_ratio > 0 and vocab_size is None:
-    raise ValueError("text_infilling: mask_random_ratio > 0 needs vocab_size")
   lengths_seed, order_seed, gap_seed, random_seed, random_id_seed = split_seed(seed, 5)
   n = tf.size(tokens)
   budget = rounded_count(n, ratio)
@@ -155,6 +153,8 @@ def text_infilling(tokens, seed, mask_id: int, ratio: float = 0.3, poisson_lambd
 def span_fillers(count, seeds, dtype, mask_id: int, mask_random_ratio: float, vocab_size: Optional[int]):
   """`count` ids that stand for removed spans: mask_id, or a random id from [1, vocab_size) with
   probability mask_random_ratio."""
+  if mask_random_ratio > 0 and vocab_size is None:
+    raise ValueError("text infilling: mask_random_ratio > 0 needs vocab_size")
   filler = tf.fill([count], tf.constant(mask_id, dtype))
   if mask_random_ratio == 0:
     return filler
@@ -170,8 +170,6 @@ def whole_word_infilling(tokens, word_start, seed, mask_id: int, ratio: float = 
 
   word_start: bool per token, True where a word begins (the first token always begins one).
   """
-  if mask_random_ratio > 0 and vocab_size is None:
-    raise ValueError("whole_word_infilling: mask_random_ratio > 0 needs vocab_size")
   spans_seed, *fill_seeds = split_seed(seed, 3)
   starts = tf.logical_or(tf.cast(word_start, tf.bool), tf.range(tf.size(tokens)) == 0)
   num_words = tf.reduce_sum(tf.cast(starts, tf.int32))
@@ -223,18 +221,18 @@ def truncate_sentences(sentences: tf.RaggedTensor, max_tokens) -> tf.RaggedTenso
   return tf.ragged.boolean_mask(truncated, kept > 0)
 
 
-def chunk_length(encoder_length: int, decoder_length: int, with_bos: bool) -> int:
+def chunk_length(encoder_length: int, decoder_length: int, bos_id: Optional[int]) -> int:
   """Most document tokens an example holds: both sides add eos, and bos when given."""
-  length = min(encoder_length, decoder_length) - int(with_bos) - 1
+  length = min(encoder_length, decoder_length) - (bos_id is not None) - 1
   if length < 1:
     raise ValueError(f"denoising: encoder_length={encoder_length} / decoder_length={decoder_length} "
                      "leave no room for tokens besides bos/eos")
   return length
 
 
-def denoising_blocks(dataset: tf.data.Dataset, sequence_length, *, with_bos: bool) -> tf.data.Dataset:
+def denoising_blocks(dataset: tf.data.Dataset, sequence_length, *, bos_id: Optional[int] = None) -> tf.data.Dataset:
   """seqio preprocessor: each document -> its blocks of whole sentences that fit one example."""
-  length = chunk_length(sequence_length["encoder_input_ids"], sequence_length["decoder_input_ids"], with_bos)
+  length = chunk_length(sequence_length["encoder_input_ids"], sequence_length["decoder_input_ids"], bos_id)
   return documents.split_into_blocks(dataset, length)
 
 
@@ -250,7 +248,7 @@ def denoising_features(sentences, seed, *, encoder_length: int, decoder_length: 
   if not isinstance(sentences, tf.RaggedTensor):
     sentences = tf.RaggedTensor.from_tensor(tf.reshape(sentences, [1, -1]))
   sentences = truncate_sentences(tf.cast(sentences, tf.int32),
-                                 chunk_length(encoder_length, decoder_length, bos_id is not None))
+                                 chunk_length(encoder_length, decoder_length, bos_id))
   noised = noise_document(sentences, seed, config, mask_id, vocab_size, word_start)
   # Zero-length spans can make the noised chunk longer than the original: trim it, keep eos.
   inputs = tf.concat([prefix, noised[:encoder_length - prefix.shape[0] - 1], [eos_id]], 0)

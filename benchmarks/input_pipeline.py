@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from pretrain import cli, plan, trainer
+from pretrain import cli, trainer
 
 DATA_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "seed", "data_shards")
 
@@ -38,11 +38,12 @@ def parse(argv):
 def main(argv) -> None:
   files, bindings, args = parse(argv)
   cli.parse_gin(files, bindings)
-  run = plan.train_arguments(DATA_ARGUMENTS)
-  data = trainer.input_pipeline_for_run(run["family"], run["mixture_or_task_name"], run["task_feature_lengths"],
+  run = cli.bound_arguments(trainer.train, DATA_ARGUMENTS)
+  family = trainer.fitted_family(run["family"], run["mixture_or_task_name"], run["task_feature_lengths"])
+  data = trainer.input_pipeline_for_run(family, run["mixture_or_task_name"], run["task_feature_lengths"],
                                         run["batch_size"], 1, run["seed"], run["data_shards"], process_index=0,
                                         process_count=args.processes)
-  print(f"{run['family'].name}: global batch {run['batch_size']}, {args.processes} hosts -> {data.host_batch_size} "
+  print(f"{family.name}: global batch {run['batch_size']}, {args.processes} hosts -> {data.host_batch_size} "
         f"rows per host from {data.shards_per_process} data shard(s) of {data.num_data_shards}; "
         f"this machine has {os.cpu_count()} CPUs")
   start = time.perf_counter()
@@ -63,7 +64,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  try:
-    main(sys.argv[1:])
-  except cli.USER_ERRORS as error:
-    sys.exit(f"input_pipeline: error: {str(error).strip().splitlines()[0]}")
+  cli.run("input_pipeline", lambda: main(sys.argv[1:]))

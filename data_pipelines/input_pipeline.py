@@ -5,8 +5,8 @@ The global batch is made of `num_data_shards` equal parts, each read from its ow
 belong to. By default there is one shard per process. Fixing the number of shards keeps the global
 batch the same however many processes read it (1 process × 4 devices = 2 processes × 2 devices),
 and one shard per batch row gives every row its own continuous stream (XLNet's memory needs that).
-With `reverse_odd_rows`, odd shards read the `<task>_reversed` variant of the shard before them:
-XLNet's bi_data pairs each forward row with the same text read backwards.
+With `bi_data` (XLNet), odd shards read the backward task (`<task>_backward`) of the shard before
+them: each forward row is paired with the same text read right to left.
 
 A mixture samples its tasks with a seed of its own per shard, so the rows of a batch do not all
 draw the same task at once.
@@ -21,7 +21,6 @@ import tensorflow as tf
 from data_pipelines import sources, tasks
 from data_pipelines.feature_converters import FixedShapeFeatureConverter
 
-
 REREAD_WARNING_BYTES = 2**30  # a host reading its text more than once beyond this is worth a warning
 
 
@@ -29,8 +28,8 @@ class InputPipeline:
   """Batches for one run. `model_features`: name -> (per-example shape, dtype)."""
 
   def __init__(self, task_name: str, feature_lengths: Mapping[str, int], global_batch_size: int,
-               model_features, batch_shards: int = 1, seed: int = 0, num_data_shards: Optional[int] = None,
-               reverse_odd_rows: bool = False, process_index: Optional[int] = None,
+               model_features, data_parallel_groups: int = 1, seed: int = 0, num_data_shards: Optional[int] = None,
+               bi_data: bool = False, process_index: Optional[int] = None,
                process_count: Optional[int] = None):
     self.task = tasks.get_task_or_mixture(task_name)
     if isinstance(self.task, seqio.Mixture) and tasks.continues_across_examples(self.task):
@@ -40,7 +39,7 @@ class InputPipeline:
     self.process_index = jax.process_index() if process_index is None else process_index
     self.process_count = jax.process_count() if process_count is None else process_count
     self.num_data_shards = num_data_shards or self.process_count
-    for divisor, what in ((self.process_count, "processes"), (batch_shards, "batch shards of the mesh"),
+    for divisor, what in ((self.process_count, "processes"), (data_parallel_groups, "data-parallel groups of the mesh"),
                           (self.num_data_shards, "data shards")):
       if global_batch_size % divisor:
         raise ValueError(f"BATCH_SIZE={global_batch_size} is not divisible by the {divisor} {what}")
@@ -50,15 +49,15 @@ class InputPipeline:
     self.shards_per_process = self.num_data_shards // self.process_count
     self.converter = FixedShapeFeatureConverter(model_features)
     self.seed = seed
-    self.reverse_odd_rows = reverse_odd_rows
-    if reverse_odd_rows and self.shards_per_process % 2:
+    self.bi_data = bi_data
+    if bi_data and self.shards_per_process % 2:
       raise ValueError(f"bi_data needs an even number of data shards per process, got {self.shards_per_process}")
     if self.process_index == 0:
       self._warn_if_shards_reread("train")
 
   @property
   def vocabulary(self) -> seqio.Vocabulary:
-    return next(iter(self.task.output_features.values())).vocabulary
+    return tasks.vocabulary(self.task)
 
   def has_split(self, split: str) -> bool:
     return split in self.task.splits
@@ -66,12 +65,12 @@ class InputPipeline:
   def data_shard(self, index: int) -> tuple:
     """(task name, seqio shard) that data shard `index` of the global batch reads.
 
-    With reverse_odd_rows, shards pair up: both read one of num_data_shards / 2 parts of the data,
-    the even one forwards and the odd one backwards (`<task>_reversed`).
+    With bi_data, shards pair up: both read one of num_data_shards / 2 parts of the data, the even
+    one forwards and the odd one backwards.
     """
-    if not self.reverse_odd_rows:
+    if not self.bi_data:
       return self.task.name, seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
-    task_name = f"{self.task.name}_reversed" if index % 2 else self.task.name
+    task_name = self.task.name + tasks.BACKWARD_SUFFIX if index % 2 else self.task.name
     return task_name, seqio.ShardInfo(index=index // 2, num_shards=self.num_data_shards // 2)
 
   def _warn_if_shards_reread(self, split: str) -> None:

@@ -3,19 +3,19 @@
 Names are `<corpus>_<objective>`: `demo_bert_mlm_nsp` (the built-in demo corpus),
 `text_bert_mlm_nsp` (the user's TRAIN_FILES), `wikipedia_bert_mlm_nsp` (TFDS), and so on for every
 objective in OBJECTIVES. Demo tasks register themselves on first use (building the demo corpus).
-Tasks of one objective over several corpora combine into a seqio mixture (`mixture`).
+Tasks of one objective over several corpora combine into a seqio mixture (`mixture`). The features
+each objective emits are stated in `features.SCHEMAS`.
 """
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import seqio
 
-from data_pipelines import demo_corpus, sources, vocab
+from data_pipelines import demo_corpus, features, sources, vocab
 from data_pipelines.objectives import denoising, documents, mlm, nsp_sop, permutation, span_corruption
 
-# Pieces below this id are special (pad, eos, unk, bos, [CLS], [SEP], [MASK]): never a random replacement.
-FIRST_NORMAL_ID = 7
+BACKWARD_SUFFIX = "_backward"  # bi_data: the task of the same text read right to left
 
 
 def _sentence_pair_mlm(vocabulary, *, mode: str, label_key: str, max_ngram: int, whole_word: bool):
@@ -25,7 +25,7 @@ def _sentence_pair_mlm(vocabulary, *, mode: str, label_key: str, max_ngram: int,
       functools.partial(nsp_sop.sentence_pairs, mode=mode),
       functools.partial(mlm.masked_pair_features, word_start=vocab.word_start_table(vocabulary),
                         cls_id=special.cls, sep_id=special.sep, mask_id=special.mask,
-                        random_token_min=FIRST_NORMAL_ID, vocab_size=vocabulary.vocab_size, label_key=label_key,
+                        random_token_min=vocab.FIRST_NORMAL_ID, vocab_size=vocabulary.vocab_size, label_key=label_key,
                         max_ngram=max_ngram, whole_word=whole_word),
   ]
 
@@ -58,41 +58,46 @@ def t5_span_corruption(vocabulary):
                             first_sentinel_id=vocabulary.vocab_size - 1, decoder_start_id=special.pad)]
 
 
-def xlnet_plm(vocabulary, reverse: bool = False):
-  """The paper's proportions: reuse_len = perm_size = seq_len / 2, num_predict from target_ids."""
+def xlnet_plm(vocabulary, backward: bool = False):
+  """Lengths from TASK_FEATURE_LENGTHS: input_ids (the window), reuse_len (the part that continues the
+  previous window, which the model caches), target_ids (predictions). Permutations stay within
+  reuse_len-sized blocks (perm_size = reuse_len, as in the paper: 256 of 512)."""
   special = vocab.special_ids(vocabulary)
   word_start = vocab.word_start_table(vocabulary)
 
   def windows(dataset, sequence_length):
-    seq_len = sequence_length["input_ids"]
-    return permutation.xlnet_windows(dataset, seq_len=seq_len, reuse_len=seq_len // 2, sep_id=special.sep,
-                                     cls_id=special.cls, reverse=reverse)
+    return permutation.xlnet_windows(dataset, seq_len=sequence_length["input_ids"],
+                                     reuse_len=sequence_length["reuse_len"], sep_id=special.sep, cls_id=special.cls,
+                                     backward=backward)
 
-  def features(dataset, sequence_length):
-    seq_len = sequence_length["input_ids"]
+  def permuted(dataset, sequence_length):
+    reuse_len = sequence_length["reuse_len"]
     return permutation.xlnet_permutation_features(
-        dataset, seq_len=seq_len, reuse_len=seq_len // 2, perm_size=seq_len // 2,
+        dataset, seq_len=sequence_length["input_ids"], reuse_len=reuse_len, perm_size=reuse_len,
         num_predict=sequence_length["target_ids"], word_start=word_start, sep_id=special.sep, cls_id=special.cls)
 
-  return [seqio.CacheDatasetPlaceholder(), windows, features]
+  return [seqio.CacheDatasetPlaceholder(), windows, permuted]
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
   preprocessors: Callable[[seqio.Vocabulary], List]  # applied after tokenization
-  token_features: Tuple[str, ...] = ("input_ids",)  # features holding vocabulary ids
   extra_ids: int = 0  # sentinel pieces appended to the vocabulary (T5)
-  reversible: bool = False  # also registered as `<name>_reversed` over right-to-left text (bi_data)
+  # Consecutive examples continue one text stream per data shard (XLNet's memory): never shuffled or
+  # mixed, and also registered as `<name>_backward`, the stream read right to left, for bi_data.
+  stream: bool = False
 
 
-_ENCODER_DECODER = ("encoder_input_ids", "decoder_input_ids")
 OBJECTIVES: Dict[str, Objective] = {
     "bert_mlm_nsp": Objective(bert_mlm_nsp),
     "albert_mlm_sop": Objective(albert_mlm_sop),
-    "bart_denoising": Objective(bart_denoising, _ENCODER_DECODER),
-    "t5_span_corruption": Objective(t5_span_corruption, _ENCODER_DECODER, extra_ids=100),
-    "xlnet_plm": Objective(xlnet_plm, reversible=True),
+    "bart_denoising": Objective(bart_denoising),
+    "t5_span_corruption": Objective(t5_span_corruption, extra_ids=100),
+    "xlnet_plm": Objective(xlnet_plm, stream=True),
 }
+
+
+_OBJECTIVE_OF: Dict[str, str] = {}  # registered task name -> its objective
 
 
 def register_task(name: str, source: seqio.DataSource, objective: str, vocab_model: str,
@@ -102,16 +107,17 @@ def register_task(name: str, source: seqio.DataSource, objective: str, vocab_mod
     raise ValueError(f"objective={objective!r}: expected one of {sorted(OBJECTIVES)}")
   spec = OBJECTIVES[objective]
   vocabulary = vocab.load_vocabulary(vocab_model, extra_ids=spec.extra_ids)
-  variants = {name: {}, f"{name}_reversed": {"reverse": True}} if spec.reversible else {name: {}}
+  token_features = features.schema(objective).token_features(features.INPUT_TOKENS)
+  variants = {name: {}, name + BACKWARD_SUFFIX: {"backward": True}} if spec.stream else {name: {}}
+  _OBJECTIVE_OF.update(dict.fromkeys(variants, objective))
   for task_name, kwargs in variants.items():
     seqio.TaskRegistry.remove(task_name)
     seqio.TaskRegistry.add(
         task_name,
         source=source,
         preprocessors=[*extra_preprocessors, documents.tokenize_sentences, *spec.preprocessors(vocabulary, **kwargs)],
-        output_features={feature: seqio.Feature(vocabulary, add_eos=False) for feature in spec.token_features},
-        # Streams whose examples continue each other (XLNet) must not be shuffled after preprocessing.
-        shuffle_buffer_size=None if spec.reversible else 10_000,
+        output_features={feature: seqio.Feature(vocabulary, add_eos=False) for feature in token_features},
+        shuffle_buffer_size=None if spec.stream else 10_000,
     )
   return name
 
@@ -182,6 +188,19 @@ def get_dataset(task_or_mixture, sequence_length: Dict[str, int], features: Opti
   if features is None:
     features = seqio.get_subtasks(task_or_mixture)[0].get_dataset(sequence_length, **kwargs).element_spec
   return task_or_mixture.get_dataset(sequence_length, passthrough_features=list(features), **kwargs)
+
+
+def objective_of(task_or_mixture) -> str:
+  """The objective whose examples a task (or every task of a mixture) makes."""
+  found = {_OBJECTIVE_OF.get(task.name) for task in seqio.get_subtasks(task_or_mixture)}
+  if len(found) != 1 or None in found:
+    raise ValueError(f"{task_or_mixture.name!r} is not made of tasks of one objective of {sorted(OBJECTIVES)}")
+  return found.pop()
+
+
+def vocabulary(task_or_mixture) -> seqio.Vocabulary:
+  """The vocabulary of a task's (or mixture's) token features."""
+  return next(iter(task_or_mixture.output_features.values())).vocabulary
 
 
 def get_task_or_mixture(name: str):

@@ -12,12 +12,13 @@ import io
 import sys
 
 import numpy as np
-import seqio
 import sentencepiece as spm
+import seqio
 from absl import app, flags
 from etils import epath
 
 PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
+FIRST_NORMAL_ID = 7  # ids below are special pieces (those above and [CLS], [SEP], [MASK]): never a random replacement
 CLS_PIECE, SEP_PIECE, MASK_PIECE = "[CLS]", "[SEP]", "[MASK]"
 USER_SYMBOLS = (CLS_PIECE, SEP_PIECE, MASK_PIECE)
 WORD_START = "\u2581"  # sentencepiece's word-boundary marker

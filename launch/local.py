@@ -9,11 +9,8 @@ Each child gets the parent's environment plus:
   JAX_PROCESS_ID                0 .. N-1
   JAX_PLATFORMS                 cpu
   XLA_FLAGS                     existing flags + --xla_force_host_platform_device_count=K
-The command joins the job with
-  jax.distributed.initialize(coordinator_address=os.environ[COORDINATOR_ADDRESS_ENV],
-                             num_processes=int(os.environ[NUM_PROCESSES_ENV]),
-                             process_id=int(os.environ[PROCESS_ID_ENV]))
-(the names below are the constants to import). Every line child i writes to stdout (stderr) is
+The command joins the job with `pretrain.distributed.initialize()`, where these names are defined
+(pretrain.train calls it). Every line child i writes to stdout (stderr) is
 printed to our stdout (stderr) as "[process i] line". The two streams stay apart because a child's
 C++ runtime writes its logs to stderr piecewise, which would split its stdout lines if they shared
 one pipe. If a child exits non-zero the others are terminated and we exit non-zero naming it;
@@ -27,10 +24,9 @@ import sys
 import threading
 import time
 
-COORDINATOR_ADDRESS_ENV = "JAX_COORDINATOR_ADDRESS"
-COORDINATOR_BIND_ADDRESS_ENV = "JAX_COORDINATOR_BIND_ADDRESS"  # read by jax.distributed.initialize itself
-NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
-PROCESS_ID_ENV = "JAX_PROCESS_ID"
+from pretrain.distributed import (COORDINATOR_ADDRESS_ENV, COORDINATOR_BIND_ADDRESS_ENV, NUM_PROCESSES_ENV,
+                                  PROCESS_ID_ENV)
+
 HOST = "127.0.0.1"
 _TERMINATE_GRACE_SECONDS = 5
 

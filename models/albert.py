@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from models import layers
-from models.bert import BertEmbeddings, pretraining_heads
+from models.bert import BertEmbeddings, EncoderForPreTraining
 
 # Which sublayers one module serves for every layer ("all" is the paper's default; the others are
 # its Table 4 ablations).
@@ -102,17 +102,11 @@ class AlbertEncoder(nn.Module):
     return x, word
 
 
-class AlbertForPreTraining(nn.Module):
-  """Inputs: input_ids, segment_ids [b, l] and optionally masked_positions [b, p].
-
-  Returns mlm_logits ([b, p, vocab] at masked_positions, else [b, l, vocab]) and sop_logits [b, 2].
-  """
+class AlbertForPreTraining(EncoderForPreTraining):
+  """`EncoderForPreTraining` with AlbertEncoder and SOP (sop_logits); the MLM head maps back to E."""
   config: AlbertConfig
+  encoder_cls = AlbertEncoder
+  pair_task = "sop"
 
-  @nn.compact
-  def __call__(self, features, deterministic: bool = True):
-    cfg = self.config
-    hidden, word = AlbertEncoder(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
-    mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, features=cfg.embedding_size,
-                                   approximate_gelu=cfg.approximate_gelu, name="mlm")
-    return pretraining_heads(hidden, word, features, mlm_head, pair_task="sop", dtype=cfg.dtype)
+  def mlm_head_options(self) -> dict:
+    return {"features": self.config.embedding_size, "approximate_gelu": self.config.approximate_gelu}

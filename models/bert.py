@@ -1,6 +1,6 @@
 """BERT (Devlin et al. 2018): post-LN Transformer encoder with tied MLM head and NSP head."""
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import flax.linen as nn
 import jax
@@ -43,8 +43,10 @@ class BertEmbeddings(nn.Module):
   def __call__(self, input_ids, segment_ids, deterministic: bool):
     layers.check_sequence_length(input_ids.shape[1], self.max_position_embeddings)
     word = layers.embedding(self.vocab_size, self.features, ("vocab", "embed"), self.dtype, "word")
-    position = layers.embedding(self.max_position_embeddings, self.features, ("position", "embed"), self.dtype, "position")
-    token_type = layers.embedding(self.type_vocab_size, self.features, ("token_type", "embed"), self.dtype, "token_type")
+    position = layers.embedding(self.max_position_embeddings, self.features, ("position", "embed"), self.dtype,
+                                "position")
+    token_type = layers.embedding(self.type_vocab_size, self.features, ("token_type", "embed"), self.dtype,
+                                  "token_type")
     positions = jnp.arange(input_ids.shape[1])[None, :]
     x = word(input_ids) + position(positions) + token_type(segment_ids)
     x = layers.layer_norm(self.layer_norm_eps, self.dtype, "norm")(x)
@@ -90,16 +92,31 @@ class BertEncoder(nn.Module):
     return x, word
 
 
-class BertForPreTraining(nn.Module):
-  """Inputs: input_ids, segment_ids [b, l] and optionally masked_positions [b, p].
+class EncoderForPreTraining(nn.Module):
+  """BERT and ALBERT pretraining: `encoder_cls` ("encoder"), a MaskedLMHead ("mlm") and `pretraining_heads`.
 
-  Returns mlm_logits ([b, p, vocab] at masked_positions, else [b, l, vocab]) and nsp_logits [b, 2].
+  Inputs: input_ids, segment_ids [b, l] and optionally masked_positions [b, p]. Returns mlm_logits
+  ([b, p, vocab] at masked_positions, else [b, l, vocab]) and <pair_task>_logits [b, 2].
+  A subclass sets the encoder, the pair task and any MaskedLMHead options its config needs.
   """
-  config: BertConfig
+  config: Any
+  encoder_cls: ClassVar[type]
+  pair_task: ClassVar[str]
+
+  def mlm_head_options(self) -> dict:
+    """Keyword arguments of the MaskedLMHead beyond vocab size, LayerNorm epsilon and dtype."""
+    return {}
 
   @nn.compact
   def __call__(self, features, deterministic: bool = True):
     cfg = self.config
-    hidden, word = BertEncoder(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
-    mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, name="mlm")
-    return pretraining_heads(hidden, word, features, mlm_head, pair_task="nsp", dtype=cfg.dtype)
+    hidden, word = self.encoder_cls(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
+    mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, name="mlm", **self.mlm_head_options())
+    return pretraining_heads(hidden, word, features, mlm_head, pair_task=self.pair_task, dtype=cfg.dtype)
+
+
+class BertForPreTraining(EncoderForPreTraining):
+  """`EncoderForPreTraining` with BertEncoder and NSP (nsp_logits)."""
+  config: BertConfig
+  encoder_cls = BertEncoder
+  pair_task = "nsp"

@@ -118,7 +118,8 @@ class MultiHeadAttention(nn.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
     probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
     context = constrain(jnp.einsum("bhqk,bkhd->bqhd", probs, value), BATCH_LENGTH_HEADS_KV)
-    output = dense(inputs_q.shape[-1], ("heads", "kv"), ("embed",), axis=(-2, -1), dtype=self.dtype, name="output")(context)
+    output = dense(inputs_q.shape[-1], ("heads", "kv"), ("embed",), axis=(-2, -1), dtype=self.dtype,
+                   name="output")(context)
     return constrain(output, BATCH_LENGTH_EMBED)
 
 

@@ -44,7 +44,9 @@ class XLNetConfig:
   dropout_rate: float = 0.1
   layer_norm_eps: float = 1e-12
   mem_len: int = 384  # 0 disables memory
-  reuse_len: int = 256  # positions of a segment cached for the next one; 0 = all
+  # Positions of a segment cached for the next one; None or 0 = all. A pretraining run sets it from the
+  # data's TASK_FEATURE_LENGTHS['reuse_len'], the tokens each window shares with the next.
+  reuse_len: Optional[int] = None
   clamp_len: int = -1  # clip relative distances to [-clamp_len, clamp_len]; -1 = no clipping
   bi_data: bool = True
   untie_r: bool = True  # per-layer r_w/r_r/r_s biases; False shares one set across layers
@@ -56,7 +58,7 @@ class XLNetConfig:
   def __post_init__(self):
     if self.attn_type != "bi":
       raise ValueError(f"attn_type={self.attn_type!r}: only 'bi' (XLNet pretraining's attention) is supported")
-    if self.mem_len < 0 or self.reuse_len < 0:
+    if self.mem_len < 0 or (self.reuse_len or 0) < 0:
       raise ValueError(f"mem_len={self.mem_len}, reuse_len={self.reuse_len}: must be >= 0")
 
 
@@ -112,9 +114,9 @@ def segment_difference(segment_ids: jax.Array, mlen: int) -> jax.Array:
   return segment_ids[:, :, None] != key_segments[:, None, :]
 
 
-def cache_memory(h: jax.Array, mem: jax.Array, mem_len: int, reuse_len: int) -> jax.Array:
+def cache_memory(h: jax.Array, mem: jax.Array, mem_len: int, reuse_len: Optional[int]) -> jax.Array:
   """The next segment's memory: the last mem_len states of [memory, first reuse_len positions of h]."""
-  if reuse_len > 0:
+  if reuse_len:
     h = h[:, :reuse_len]
   states = jnp.concatenate([mem.astype(h.dtype), h], axis=1)
   return jax.lax.stop_gradient(states[:, max(states.shape[1] - mem_len, 0):]).astype(jnp.float32)

@@ -1,12 +1,13 @@
 """Orbax checkpoints: train state (sharded, async), each process's data-iterator position, run config.
 
-Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/process_<i>, run_config}. The data
+Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/process_<i>, run_config} (the run config
+is `pretrain.model_dir.RunConfig`'s JSON). The data
 iterator is a tf.data iterator saved with tf.train.Checkpoint, one file per process, so a resumed
 run continues each host's data stream exactly where it stopped. A weights-only checkpoint (from
 `pretrain.import_hf`) has state = {params} and no data_iterator.
 """
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
@@ -66,17 +67,13 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iter
   return restored.state
 
 
-def read_run_config(model_dir: str, step: Optional[int] = None) -> tuple:
-  """(step, run_config dict) of a checkpoint; the latest when step is None."""
-  manager = ocp.CheckpointManager(checkpoint_dir(model_dir))
-  steps = manager.all_steps()
-  if not steps:
-    raise FileNotFoundError(f"no checkpoint in {checkpoint_dir(model_dir)}")
-  step = max(steps) if step is None else step
-  if step not in steps:
-    raise ValueError(f"step {step} not in {checkpoint_dir(model_dir)} (available: {sorted(steps)})")
-  config = manager.restore(step, args=ocp.args.Composite(run_config=ocp.args.JsonRestore())).run_config
-  return step, config
+def save_weights(model_dir: str, params, run_config: dict) -> None:
+  """A weights-only checkpoint at step 0 (`pretrain.import_hf`), written before returning."""
+  manager = make_manager(model_dir, max_to_keep=1, async_save=False)
+  manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
+                                          run_config=ocp.args.JsonSave(run_config)))
+  manager.wait_until_finished()
+  manager.close()
 
 
 def has_data_iterator(model_dir: str, step: int) -> bool:

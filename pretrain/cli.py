@@ -1,13 +1,18 @@
-"""Shared command-line plumbing: T5X-style gin flags, multi-host start-up, one-line errors."""
+"""Shared command-line plumbing: T5X-style gin flags, gin-bound arguments, one-line errors."""
+import copy
+import inspect
 import os
+import re
 import sys
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import gin
 
+from pretrain.errors import USER_ERRORS, ConfigError, user_settings
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-USER_ERRORS = (ValueError, FileNotFoundError, KeyError, TypeError, NotADirectoryError, SyntaxError)
+_UNSET_ARGUMENT = "No values supplied by Gin or caller for arguments"  # gin's words for a missing binding
 
 
 def split_gin_args(argv: Sequence[str]) -> Tuple[List[str], List[str], List[str]]:
@@ -30,7 +35,7 @@ def split_gin_args(argv: Sequence[str]) -> Tuple[List[str], List[str], List[str]
       bindings.append(value)
     elif name.startswith("--gin."):
       if not has_value:
-        raise ValueError(f"{arg}: expected --gin.KEY=VALUE")
+        raise ConfigError(f"{arg}: expected --gin.KEY=VALUE")
       bindings.append(f"{name[len('--gin.'):]} = {value}")
     else:
       rest.append(arg)
@@ -44,21 +49,43 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str]) -> None:
     gin.add_config_file_search_path(path)
   for f in files:
     if not any((Path(base) / f).exists() for base in ("", PROJECT_ROOT)):
-      raise FileNotFoundError(f"--gin_file={f}: no such file")
-  gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
+      raise ConfigError(f"--gin_file={f}: no such file")
+  try:
+    gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
+  except (ValueError, SyntaxError) as e:  # an unknown configurable or parameter, a malformed binding
+    raise ConfigError(one_line(e)) from e
 
 
-def initialize_distributed() -> None:
-  """Joins a multi-process JAX job when launched as one (launch.local, or a TPU pod slice)."""
-  import jax
-  from launch import local
+def bound_arguments(fn: Callable, names: Optional[Sequence[str]] = None) -> dict:
+  """`fn`'s gin-bound arguments (default: all of them), evaluated as a call through gin would.
 
-  if local.COORDINATOR_ADDRESS_ENV in os.environ:
-    jax.distributed.initialize(coordinator_address=os.environ[local.COORDINATOR_ADDRESS_ENV],
-                               num_processes=int(os.environ[local.NUM_PROCESSES_ENV]),
-                               process_id=int(os.environ[local.PROCESS_ID_ENV]))
-  elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a multi-host TPU VM slice
-    jax.distributed.initialize()
+  Evaluating them builds what they reference (model configs, tasks, optimizers) from the user's
+  settings, so a value those constructors reject, or a macro nobody set, is a ConfigError.
+  """
+  bound = gin.get_bindings(fn, resolve_references=False)
+  signature = inspect.signature(fn).parameters
+  arguments = {}
+  for name in names or signature:
+    if name in bound:
+      arguments[name] = _evaluate(name, bound[name])
+    elif signature[name].default is not inspect.Parameter.empty:
+      arguments[name] = signature[name].default
+    else:
+      raise ConfigError(f"{fn.__module__}.{fn.__name__}.{name} is not bound: include gin_configs/runs/pretrain.gin "
+                        "in the run")
+  return arguments
+
+
+def _evaluate(name: str, value):
+  with user_settings():
+    try:
+      return copy.deepcopy(value)  # deepcopy is how gin evaluates @references and %MACROS
+    except TypeError as e:
+      if _UNSET_ARGUMENT not in str(e):
+        raise
+      macro = re.search(r"configurable 'macro' .* in scope '([\w.]+)'", str(e))
+      raise ConfigError(f"macro {macro.group(1)} is not set: bind it in a gin file or with --gin.{macro.group(1)}=..."
+                        if macro else f"{name}: {one_line(e)}") from e
 
 
 def one_line(error: BaseException) -> str:
@@ -72,3 +99,12 @@ def fail(error: BaseException, program: str) -> None:
     raise error
   print(f"{program}: error: {one_line(error)}", file=sys.stderr)
   sys.exit(1)
+
+
+def run(program: str, main: Callable[[], None]) -> None:
+  """Runs an entry point: what the user caused ends it with one line and exit code 1; a bug, with its
+  traceback."""
+  try:
+    main()
+  except USER_ERRORS as e:
+    fail(e, program)

@@ -20,6 +20,7 @@ def main(argv=None) -> None:
   args = parser.parse_args(argv)
 
   import gin
+
   from data_pipelines import demo_corpus
   from pretrain import cli, trainer
 
@@ -35,12 +36,9 @@ def main(argv=None) -> None:
     if args.train_steps:
       bindings.append(f"TRAIN_STEPS = {args.train_steps}")
     gin.clear_config()
-    try:
-      cli.parse_gin([f"gin_configs/runs/{run}.gin"], bindings)
-      run_started = time.time()
-      summary = gin.get_configurable(trainer.train)()
-    except cli.USER_ERRORS as e:
-      cli.fail(e, "pretrain.demo")
+    cli.parse_gin([f"gin_configs/runs/{run}.gin"], bindings)
+    run_started = time.time()
+    summary = trainer.train(**cli.bound_arguments(trainer.train))
     results.append((run, model_dir, summary, time.time() - run_started))
 
   print("\n== demo finished ==")
@@ -56,4 +54,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  from pretrain import cli
+  cli.run("pretrain.demo", lambda: main(sys.argv[1:]))

@@ -16,12 +16,11 @@ the left), <s> A </s> for BART. `add_special_tokens=False` gives exactly the seq
 
 `load_pretrained(model_dir)` returns (flax module, numpy params, seqio vocabulary) for JAX fine-tuning.
 """
-import contextlib
 import dataclasses
 import os
 import re
 import tempfile
-from typing import Dict, Mapping, Optional
+from typing import Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +29,10 @@ from absl import app, flags, logging
 from etils import epath
 
 from data_pipelines import vocab as vocab_lib
-from models import layers
-from pretrain import checkpoints, cli, registry
+from pretrain import checkpoints, cli, registry, run_files
+from pretrain.errors import ConfigError
 from pretrain.hf_mappings import common
+from pretrain.output_dirs import check_output_dir, staged_directory
 
 TOLERANCE = 1e-3  # largest |logit difference| allowed between our model and the exported one
 DTYPES = ("float32", "bfloat16")
@@ -50,28 +50,14 @@ class Checkpoint:
   vocab_path: str
 
 
-def model_config(spec: registry.FamilySpec, fields: Mapping):
-  """The family's config dataclass from run_config JSON (dtype names become dtypes again)."""
-  unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(spec.config_cls)})
-  if unknown:
-    raise ValueError(f"run_config model_config has fields {unknown} that {spec.config_cls.__name__} lacks")
-  values = dict(fields)
-  if "dtype" in values:
-    values["dtype"] = jnp.dtype(values["dtype"])
-  return spec.config_cls(**values)
-
-
 def open_checkpoint(model_dir: str, step: Optional[int] = None) -> Checkpoint:
-  if not checkpoints.checkpoint_dir(model_dir).exists():  # read_run_config would create it
-    raise FileNotFoundError(f"--model_dir={model_dir}: no checkpoint in {checkpoints.checkpoint_dir(model_dir)}")
-  step, run_config = checkpoints.read_run_config(model_dir, step)
-  spec = registry.get(run_config.get("family"))
-  config = model_config(spec, run_config["model_config"])
-  vocab_path = str(epath.Path(model_dir) / run_config.get("vocab_model", "vocab.model"))
+  step, run_config = run_files.read_run_config(model_dir, step)
+  spec, config = registry.get(run_config.family.name), run_config.family.config
+  vocab_path = str(run_files.vocab_path(model_dir))
   vocab_size = vocab_lib.load_vocabulary(vocab_path).vocab_size
   if vocab_size > config.vocab_size:
-    raise ValueError(f"vocabulary {vocab_path} has {vocab_size} pieces, more than the model's "
-                     f"vocab_size={config.vocab_size}")
+    raise ConfigError(f"vocabulary {vocab_path} has {vocab_size} pieces, more than the model's "
+                      f"vocab_size={config.vocab_size}")
   return Checkpoint(str(model_dir), step, spec, config, vocab_path)
 
 
@@ -81,7 +67,7 @@ def restore_params(ckpt: Checkpoint) -> dict:
   expected = ckpt.spec.param_shapes(ckpt.config)
   if actual != expected:
     differing = sorted(set(actual.items()) ^ set(expected.items()))[:4]
-    raise ValueError(f"params of step {ckpt.step} do not fit the run_config model_config: {differing}")
+    raise ConfigError(f"params of step {ckpt.step} do not fit the run_config model_config: {differing}")
   return params
 
 
@@ -183,47 +169,11 @@ def compare_with_hf(spec: registry.FamilySpec, config, params, directory: str, d
           for key, hf_key, mask in batch.outputs}
 
 
-def check_output_dir(output_dir: str, overwrite: bool) -> epath.Path:
-  out = epath.Path(output_dir)
-  if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-    raise ValueError(f"output directory {output_dir} is not empty; pass --overwrite to replace it")
-  return out
-
-
-@contextlib.contextmanager
-def staged_directory(output_dir: epath.Path):
-  """Yields a local directory to write into; it takes output_dir's place only if the block succeeds.
-
-  Locally it is a sibling of output_dir; for gs:// it is written locally, copied to a sibling there.
-  """
-  name = f".{output_dir.name}.partial-{os.getpid()}"
-  local = epath.Path(tempfile.gettempdir() if "://" in str(output_dir) else output_dir.parent) / name
-  sibling = output_dir.parent / name
-  for path in {local, sibling}:
-    if path.exists():
-      path.rmtree()
-  local.mkdir(parents=True)
-  try:
-    yield str(local)
-    if sibling != local:
-      for path in local.rglob("*"):
-        if path.is_file():
-          (sibling / path.relative_to(local)).parent.mkdir(parents=True, exist_ok=True)
-          path.copy(sibling / path.relative_to(local))
-    if output_dir.exists():
-      output_dir.rmtree()
-    sibling.rename(output_dir)
-  finally:
-    for path in {local, sibling}:
-      if path.exists():
-        path.rmtree()
-
-
 def export(model_dir: str, output_dir: str, step: Optional[int] = None, dtype: str = "float32",
            check: bool = True, overwrite: bool = False) -> dict:
   """Writes the HuggingFace directory; returns {step, family, output_dir, max_logit_diff (None unchecked)}."""
   if dtype not in DTYPES:
-    raise ValueError(f"--dtype={dtype!r}: expected one of {DTYPES}")
+    raise ConfigError(f"--dtype={dtype!r}: expected one of {DTYPES}")
   ckpt = open_checkpoint(model_dir, step)
   out = check_output_dir(output_dir, overwrite)
   params = restore_params(ckpt)
@@ -232,30 +182,26 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None, dtype: s
   with staged_directory(out) as staging:
     # HuggingFace keeps weights per layer: a scanned stack's are unstacked. The check below runs the
     # model as it was trained (scanned or not) against the export.
-    write_hf(ckpt, dataclasses.replace(config, scan_layers=False), layers.unstack_layer_params(params), staging,
-             dtype)
+    write_hf(ckpt, dataclasses.replace(config, scan_layers=False), run_files.in_layout(params, scan_layers=False),
+             staging, dtype)
     if check:
       diffs = compare_with_hf(ckpt.spec, config, params, staging, dtype)
       worst = max(diffs, key=diffs.get)
       if diffs[worst] > TOLERANCE:
-        raise ValueError(f"exported {ckpt.spec.hf_class} disagrees with the checkpoint: max |{worst} difference| "
+        raise ConfigError(f"exported {ckpt.spec.hf_class} disagrees with the checkpoint: max |{worst} difference| "
                          f"= {diffs[worst]:.2e} > {TOLERANCE}")
   return {"step": ckpt.step, "family": ckpt.spec.name, "output_dir": str(out), "max_logit_diff": diffs}
 
 
 def main(argv) -> None:
   if len(argv) > 1:
-    cli.fail(ValueError(f"unknown arguments {argv[1:]}"), "pretrain.export")
+    raise ConfigError(f"unknown arguments {argv[1:]}")
   from transformers.utils import logging as transformers_logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
   transformers_logging.disable_progress_bar()
-  try:
-    if not FLAGS.model_dir or not FLAGS.output_dir:
-      raise ValueError("--model_dir and --output_dir are required")
-    summary = export(FLAGS.model_dir, FLAGS.output_dir, FLAGS.step, FLAGS.dtype, not FLAGS.skip_check,
-                     FLAGS.overwrite)
-  except cli.USER_ERRORS as e:
-    cli.fail(e, "pretrain.export")
+  if not FLAGS.model_dir or not FLAGS.output_dir:
+    raise ConfigError("--model_dir and --output_dir are required")
+  summary = export(FLAGS.model_dir, FLAGS.output_dir, FLAGS.step, FLAGS.dtype, not FLAGS.skip_check, FLAGS.overwrite)
   diffs = summary["max_logit_diff"]
   checked = ("not checked (--skip_check)" if diffs is None else
              "max |logit difference| vs ours " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
@@ -271,4 +217,4 @@ if __name__ == "__main__":
   flags.DEFINE_enum("dtype", "float32", DTYPES, "Weight dtype in model.safetensors.")
   flags.DEFINE_bool("skip_check", False, "Do not reload the export and compare its logits with ours.")
   flags.DEFINE_bool("overwrite", False, "Replace a non-empty --output_dir.")
-  app.run(main)
+  app.run(lambda argv: cli.run("pretrain.export", lambda: main(argv)))

@@ -20,19 +20,20 @@ import sys
 from typing import Dict, Optional
 
 import numpy as np
-import orbax.checkpoint as ocp
 import sentencepiece as spm
 from absl import app, flags, logging
 from etils import epath
 
 from data_pipelines import vocab as vocab_lib
-from pretrain import checkpoints, cli, export, registry, trainer
+from pretrain import checkpoints, cli, registry, run_files
+from pretrain.errors import ConfigError
 from pretrain.hf_mappings import common
+from pretrain.output_dirs import check_output_dir, staged_directory
 
 SPM_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 # Config fields a pretraining run chooses (gin macros of the run files), not properties of the weights.
-RUN_CHOICES = ("dtype", "remat_policy", "scan_layers", "dropout_rate", "attention_dropout", "activation_dropout", "mem_len",
-               "reuse_len", "bi_data", "clamp_len")
+RUN_CHOICES = ("dtype", "remat_policy", "scan_layers", "dropout_rate", "attention_dropout", "activation_dropout",
+               "mem_len", "reuse_len", "bi_data", "clamp_len")
 
 
 def read_hf_weights(hf_dir: epath.Path) -> Dict[str, np.ndarray]:
@@ -65,7 +66,7 @@ def check_vocabulary(path: str, vocab_size: int) -> Optional[str]:
   """Fails if the vocabulary does not fit the embedding; returns why a run could not use it, if so."""
   pieces = spm.SentencePieceProcessor(model_file=path).get_piece_size()
   if pieces > vocab_size:
-    raise ValueError(f"the sentencepiece model has {pieces} pieces, more than the model's vocab_size={vocab_size}")
+    raise ConfigError(f"the sentencepiece model has {pieces} pieces, more than the model's vocab_size={vocab_size}")
   try:
     vocab_lib.load_vocabulary(path)
   except ValueError as e:  # e.g. a HuggingFace ALBERT spiece.model: other special ids than ours
@@ -75,7 +76,7 @@ def check_vocabulary(path: str, vocab_size: int) -> Optional[str]:
 
 def import_hf(hf_dir: str, model_dir: str, overwrite: bool = False) -> dict:
   """Writes the weights-only checkpoint; returns {family, model_dir, vocab_model, vocab_warning}."""
-  out = export.check_output_dir(model_dir, overwrite)
+  out = check_output_dir(model_dir, overwrite)
   hf_path = epath.Path(hf_dir)
   if not (hf_path / "config.json").exists():
     raise FileNotFoundError(f"--hf_dir={hf_dir}: no config.json")
@@ -84,31 +85,24 @@ def import_hf(hf_dir: str, model_dir: str, overwrite: bool = False) -> dict:
   config = spec.mapping.config_from_hf(hf_config)
   params = common.from_hf(read_hf_weights(hf_path), spec.mapping.rules(config), spec.param_shapes(config))
   spm_path = next((hf_path / name for name in SPM_FILES if (hf_path / name).exists()), None)
-  run_config = {**trainer.run_config(spec.family_cls(config=config), None, {}), "imported_from": str(hf_dir)}
-  vocab_model, vocab_warning = (str(out / "vocab.model") if spm_path else None), None
-  with export.staged_directory(out) as staging:
+  run_config = run_files.RunConfig(spec.family_cls(config=config), imported_from=str(hf_dir))
+  vocab_model, vocab_warning = (str(run_files.vocab_path(out)) if spm_path else None), None
+  with staged_directory(out) as staging:
     if spm_path:
-      (epath.Path(staging) / "vocab.model").write_bytes(spm_path.read_bytes())
-      vocab_warning = check_vocabulary(str(epath.Path(staging) / "vocab.model"), config.vocab_size)
+      run_files.vocab_path(staging).write_bytes(spm_path.read_bytes())
+      vocab_warning = check_vocabulary(str(run_files.vocab_path(staging)), config.vocab_size)
     (epath.Path(staging) / "import.gin").write_text(gin_bindings(config, vocab_model))
-    manager = checkpoints.make_manager(staging, max_to_keep=1, async_save=False)
-    manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
-                                            run_config=ocp.args.JsonSave(run_config)))
-    manager.wait_until_finished()
-    manager.close()
+    checkpoints.save_weights(staging, params, run_config.to_json())
   return {"family": spec.name, "model_dir": str(out), "vocab_model": vocab_model, "vocab_warning": vocab_warning}
 
 
 def main(argv) -> None:
   if len(argv) > 1:
-    cli.fail(ValueError(f"unknown arguments {argv[1:]}"), "pretrain.import_hf")
+    raise ConfigError(f"unknown arguments {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save and restore at INFO
-  try:
-    if not FLAGS.hf_dir or not FLAGS.model_dir:
-      raise ValueError("--hf_dir and --model_dir are required")
-    summary = import_hf(FLAGS.hf_dir, FLAGS.model_dir, FLAGS.overwrite)
-  except cli.USER_ERRORS as e:
-    cli.fail(e, "pretrain.import_hf")
+  if not FLAGS.hf_dir or not FLAGS.model_dir:
+    raise ConfigError("--hf_dir and --model_dir are required")
+  summary = import_hf(FLAGS.hf_dir, FLAGS.model_dir, FLAGS.overwrite)
   out = summary["model_dir"]
   vocab = (f"vocabulary {summary['vocab_model']}" if summary["vocab_model"] else
            "no sentencepiece model found: give the run a VOCAB_MODEL of the same pieces")
@@ -124,4 +118,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("hf_dir", None, "HuggingFace model directory (config.json + weights).")
   flags.DEFINE_string("model_dir", None, "New training directory (MODEL_DIR) to write.")
   flags.DEFINE_bool("overwrite", False, "Replace a non-empty --model_dir.")
-  app.run(main)
+  app.run(lambda argv: cli.run("pretrain.import_hf", lambda: main(argv)))

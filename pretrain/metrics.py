@@ -30,7 +30,9 @@ class MetricsWriter:
   def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
     if not self.enabled:
       return
-    record = {"step": step, **({"split": split} if split != "train" else {}), **{k: float(v) for k, v in metrics.items()}}
+    record = {
+        "step": step, **({"split": split} if split != "train" else {}), **{k: float(v) for k, v in metrics.items()}
+    }
     with self._jsonl.open("a") as f:
       f.write(json.dumps(record) + "\n")
     with self._tensorboard[split].as_default(step=step):

@@ -14,10 +14,12 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pretrain.errors import ConfigError
+
 MESH_AXES = ("replica", "data", "fsdp", "model")
 BATCH_AXES = ("replica", "data", "fsdp")
 
-DEFAULT_RULES: Tuple[Tuple[str, object], ...] = (
+AXIS_RULES: Tuple[Tuple[str, object], ...] = (
     ("activation_batch", BATCH_AXES),
     ("activation_length", None),
     ("activation_embed", None),
@@ -37,30 +39,22 @@ DEFAULT_RULES: Tuple[Tuple[str, object], ...] = (
 )
 
 
-def axis_rules(rules: Optional[Sequence[Tuple[str, object]]] = None, overrides: Sequence = ()) -> Tuple:
-  """The logical-axis rules of a run: DEFAULT_RULES, or `rules`, with `overrides` taking precedence."""
-  base = tuple(rules) if rules is not None else DEFAULT_RULES
-  overridden = {name for name, _ in overrides}
-  return tuple((n, tuple(a) if isinstance(a, list) else a) for n, a in overrides) + tuple(
-      (n, a) for n, a in base if n not in overridden)
-
-
 def resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> Dict[str, int]:
   """Fills one -1 entry with the remaining devices; every mesh axis gets a size (default 1)."""
   unknown = set(mesh_shape) - set(MESH_AXES)
   if unknown:
-    raise ValueError(f"MESH_SHAPE has unknown axes {sorted(unknown)}; expected some of {MESH_AXES}")
+    raise ConfigError(f"MESH_SHAPE has unknown axes {sorted(unknown)}; expected some of {MESH_AXES}")
   shape = {axis: int(mesh_shape.get(axis, 1)) for axis in MESH_AXES}
   free = [axis for axis, size in shape.items() if size == -1]
   if len(free) > 1:
-    raise ValueError(f"MESH_SHAPE={dict(mesh_shape)}: at most one axis may be -1")
+    raise ConfigError(f"MESH_SHAPE={dict(mesh_shape)}: at most one axis may be -1")
   known = math.prod(size for size in shape.values() if size != -1)
   if free:
     if num_devices % known:
-      raise ValueError(f"MESH_SHAPE={dict(mesh_shape)} does not divide {num_devices} devices")
+      raise ConfigError(f"MESH_SHAPE={dict(mesh_shape)} does not divide {num_devices} devices")
     shape[free[0]] = num_devices // known
   if math.prod(shape.values()) != num_devices:
-    raise ValueError(f"MESH_SHAPE={dict(mesh_shape)} needs {math.prod(shape.values())} devices, have {num_devices}")
+    raise ConfigError(f"MESH_SHAPE={dict(mesh_shape)} needs {math.prod(shape.values())} devices, have {num_devices}")
   return shape
 
 
@@ -74,7 +68,7 @@ def make_mesh(mesh_shape: Mapping[str, int], devices: Optional[Sequence] = None,
   sizes = tuple(shape[axis] for axis in MESH_AXES)
   if num_slices > 1:
     if shape["replica"] % num_slices:
-      raise ValueError(f"replica={shape['replica']} must be a multiple of num_slices={num_slices}")
+      raise ConfigError(f"replica={shape['replica']} must be a multiple of num_slices={num_slices}")
     per_slice = (shape["replica"] // num_slices,) + sizes[1:]
     dcn = (num_slices, 1, 1, 1)
     array = mesh_utils.create_hybrid_device_mesh(per_slice, dcn, devices)
@@ -95,8 +89,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
 
 
-def batch_shards(mesh: Mesh) -> int:
-  """How many parts the batch is split into: the product of the batch axes' sizes."""
+def data_parallel_groups(mesh: Mesh) -> int:
+  """How many parts the batch is split into over the mesh, the product of the batch axes' sizes: each
+  part goes to one data-parallel group of devices (one device, unless the mesh has a `model` axis)."""
   return math.prod(mesh.shape[axis] for axis in BATCH_AXES)
 
 

@@ -4,9 +4,9 @@
       [--topology=v3:16x16] [--num_slices=N]
 
 Needs libtpu (`pip install -e ".[tpu]"`), not a TPU. It parses the same gin files as pretrain.train,
-takes train()'s bound arguments, builds the same Setup (trainer.setup_for_run: model, optimizer,
+takes train()'s bound arguments, builds the same Setup (steps.make_setup: model, optimizer,
 shardings, microbatches, remat from the model config) over the devices of the topology and compiles
-the same jitted step (trainer.jit_train_step) for them. It prints the compiler's per-device HBM
+the same jitted step (steps.jit_train_step) for them. It prints the compiler's per-device HBM
 figures, FLOPs and bytes per step, the model's FLOPs, and a roofline estimate of step time and MFU.
 With scanned layers the memory figures are the scanned program's, and its FLOPs and bytes come from
 small unrolled compiles (XLA counts a loop body once).
@@ -17,9 +17,7 @@ Exit codes: 0 fits; 2 does not fit (the compiler's out-of-memory line on stderr)
 A large model takes minutes and up to 13 GB of host RAM to compile (XLNet-Large on v3:16x16):
 plan one configuration at a time.
 """
-import copy
 import dataclasses
-import inspect
 import math
 import os
 import re
@@ -27,14 +25,11 @@ import sys
 import time
 import warnings
 
-import gin
-
 from pretrain import cli
+from pretrain.errors import ConfigError
 
 DEFAULT_TOPOLOGY = "v3:16x16"
 GIB = 2 ** 30
-# Model config fields that set the depth of a layer stack (BERT/ALBERT, XLNet, BART's two stacks).
-LAYER_COUNT_FIELDS = ("num_layers", "n_layer", "encoder_layers", "decoder_layers")
 HEADROOM_WARNING = 0.10  # below this fraction of free HBM, fragmentation or a new libtpu may tip it over
 
 
@@ -69,7 +64,7 @@ _TOPOLOGY = re.compile(r"(v\d+[a-z]*):(\d+(?:x\d+)*)")
 
 # train()'s arguments that shape the compiled step; the rest (paths, schedule of logging) do not.
 STEP_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "mesh_shape",
-                  "optimizer", "schedule", "microbatches", "per_device_batch", "num_slices")
+                  "optimizer", "schedule", "microbatches", "microbatch_rows_per_group", "num_slices")
 
 
 class DoesNotFit(Exception):
@@ -80,7 +75,7 @@ def parse_topology(name: str) -> tuple:
   """'v3:16x16' -> ('v3', 256 chips)."""
   match = _TOPOLOGY.fullmatch(name)
   if not match or match.group(1) not in CHIPS:
-    raise ValueError(f"--topology={name!r}: expected <generation>:<chips per axis>, e.g. v3:16x16 "
+    raise ConfigError(f"--topology={name!r}: expected <generation>:<chips per axis>, e.g. v3:16x16 "
                      f"(generations {', '.join(CHIPS)})")
   return match.group(1), math.prod(int(n) for n in match.group(2).split("x"))
 
@@ -90,31 +85,6 @@ def accelerator_type(topology: str) -> str:
   generation, chips = parse_topology(topology)
   chip = CHIPS[generation]
   return f"{chip.cloud_name}-{chips * chip.tensorcores}"
-
-
-def train_arguments(names=STEP_ARGUMENTS) -> dict:
-  """trainer.train's gin-bound arguments (by default those that shape the step), evaluated as
-  train() would receive them."""
-  from pretrain import trainer
-  bound = gin.get_bindings(trainer.train, resolve_references=False)  # leaves MODEL_DIR & co. unevaluated
-  signature = inspect.signature(trainer.train).parameters
-  arguments = {}
-  for name in names:
-    if name in bound:
-      arguments[name] = copy.deepcopy(bound[name])  # deepcopy is how gin evaluates @references and %MACROS
-    elif signature[name].default is not inspect.Parameter.empty:
-      arguments[name] = signature[name].default
-    else:
-      raise ValueError(f"trainer.train.{name} is not bound: include gin_configs/runs/pretrain.gin in the run")
-  return arguments
-
-
-def vocab_size(family, task_name: str) -> int:
-  """The model's vocab_size, or the task vocabulary's size when the model gin leaves it None (as train does)."""
-  if family.config.vocab_size is not None:
-    return family.config.vocab_size
-  from data_pipelines import tasks
-  return tasks.get_task_or_mixture(task_name).output_features["input_ids"].vocabulary.vocab_size
 
 
 def matmul_flops(jaxpr) -> float:
@@ -143,11 +113,9 @@ def model_flops_per_step(setup) -> float:
   of a scan computes a few products an unrolled one skips. (3 × forward over-counts matmuls whose
   inputs need no gradient: XLNet's memory, relative positions and target mapping.)"""
   import jax
-  from pretrain import trainer
   config = dataclasses.replace(setup.family.config, remat_policy="none", scan_layers=False)
   family = dataclasses.replace(setup.family, config=config)
-  plain = trainer.build_setup(family, setup.batch_shapes, setup.optimizer, setup.schedule, setup.mesh, setup.rules,
-                              setup.microbatches)
+  plain = dataclasses.replace(setup, family=family, model=family.make_model())
   model, state = plain.model, plain.abstract_state()
 
   def loss(params, batch, carry):
@@ -158,16 +126,17 @@ def model_flops_per_step(setup) -> float:
 
 
 def compile_step(setup):
-  """trainer.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
+  """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
   import flax.linen as nn
   import jax
-  from pretrain import partitioning, trainer
+
+  from pretrain import partitioning, steps
   batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=partitioning.batch_sharding(setup.mesh))
            for k, s in setup.batch_shapes.items()}
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh`, as in train(); jax prefers jax.set_mesh
     with setup.mesh, nn.logical_axis_rules(setup.rules):
-      lowered = trainer.jit_train_step(setup).lower(setup.sharded_abstract_state(), batch)
+      lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), batch)
   try:
     return lowered.compile()
   except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()
@@ -265,22 +234,24 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
   """Builds and compiles the run's step for the topology; `show` gets the setup lines before compiling."""
   import jax
   from jax.experimental import topologies
-  from pretrain import partitioning, trainer
+
+  from pretrain import partitioning, steps, trainer
   generation, chips = parse_topology(topology)
   extra = {"num_slices": num_slices} if num_slices > 1 else {}
   devices = topologies.get_topology_desc(topology_name=topology, platform="tpu", **extra).devices
   mesh = partitioning.make_mesh(arguments["mesh_shape"], devices=devices, num_slices=num_slices)
-  family, task = arguments["family"], arguments["mixture_or_task_name"]
-  setup = trainer.setup_for_run(family, arguments["task_feature_lengths"], arguments["batch_size"], mesh,
-                                arguments["optimizer"], arguments["schedule"], arguments["microbatches"],
-                                vocab_size(family, task), arguments["per_device_batch"])
+  family = trainer.fitted_family(arguments["family"], arguments["mixture_or_task_name"],
+                                 arguments["task_feature_lengths"])
+  setup = steps.make_setup(family, arguments["task_feature_lengths"], arguments["batch_size"], mesh,
+                           arguments["optimizer"], arguments["schedule"], arguments["microbatches"],
+                           arguments["microbatch_rows_per_group"])
   p = Plan(topology=topology, num_slices=num_slices, devices=len(devices), device_kind=devices[0].device_kind,
            chip=CHIPS[generation], devices_per_chip=len(devices) / (chips * num_slices),
            family=setup.family.name, parameters=sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
            batch_size=arguments["batch_size"], mesh={k: v for k, v in mesh.shape.items() if v > 1} or {"data": 1},
            microbatches=setup.microbatches, remat=setup.family.config.remat_policy,
            scan_layers=setup.family.config.scan_layers,
-           tokens_per_step=trainer.tokens_per_batch(arguments["batch_size"], arguments["task_feature_lengths"]))
+           tokens_per_step=steps.tokens_per_batch(arguments["batch_size"], arguments["task_feature_lengths"]))
   for line in setup_lines(p):
     show(line)
   p.model_flops = model_flops_per_step(setup)
@@ -316,15 +287,16 @@ def unrolled_step_cost(setup, arguments: dict) -> tuple:
   in one stack: a few small compiles instead of the full unrolled program.
   """
   import numpy as np
-  from pretrain import trainer
+
+  from pretrain import steps
   config = setup.family.config
-  depths = {name: getattr(config, name) for name in LAYER_COUNT_FIELDS if hasattr(config, name)}
+  depths = {name: getattr(config, name) for name in setup.family.layer_count_fields}
 
   def cost(**depth_overrides) -> np.ndarray:
     small = dataclasses.replace(config, scan_layers=False, **{**dict.fromkeys(depths, 1), **depth_overrides})
-    small_setup = trainer.setup_for_run(
+    small_setup = steps.make_setup(
         dataclasses.replace(setup.family, config=small), arguments["task_feature_lengths"], arguments["batch_size"],
-        setup.mesh, arguments["optimizer"], arguments["schedule"], setup.microbatches, config.vocab_size)
+        setup.mesh, arguments["optimizer"], arguments["schedule"], setup.microbatches)
     return np.array(step_cost(compile_step(small_setup), setup.microbatches))
 
   one_layer = cost()
@@ -338,12 +310,12 @@ def _flags(rest: list) -> dict:
     name, _, value = arg.partition("=")
     key = name.removeprefix("--")
     if not name.startswith("--") or key not in flags or not value:
-      raise ValueError(f"unknown argument {arg!r}; expected --gin_file=F, --gin.KEY=VALUE, --topology=vN:AxB, "
+      raise ConfigError(f"unknown argument {arg!r}; expected --gin_file=F, --gin.KEY=VALUE, --topology=vN:AxB, "
                        f"--num_slices=N")
     flags[key] = value
   if flags["num_slices"] is not None:
     if not flags["num_slices"].isdigit() or int(flags["num_slices"]) < 1:
-      raise ValueError(f"--num_slices={flags['num_slices']}: expected a positive integer")
+      raise ConfigError(f"--num_slices={flags['num_slices']}: expected a positive integer")
     flags["num_slices"] = int(flags["num_slices"])
   return flags
 
@@ -355,24 +327,23 @@ def main(argv) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  files, bindings, rest = cli.split_gin_args(argv[1:])
+  flags = _flags(rest)
+  if not files:
+    raise ConfigError("no --gin_file given, e.g. --gin_file=gin_configs/runs/xlnet_large_v3_512.gin")
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type(flags["topology"]))
+  cli.parse_gin(files, bindings)
+  from pretrain import trainer
+  arguments = cli.bound_arguments(trainer.train, STEP_ARGUMENTS)
+  num_slices = flags["num_slices"] or arguments["num_slices"]
   try:
-    files, bindings, rest = cli.split_gin_args(argv[1:])
-    flags = _flags(rest)
-    if not files:
-      raise ValueError("no --gin_file given, e.g. --gin_file=gin_configs/runs/xlnet_large_v3_512.gin")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type(flags["topology"]))
-    cli.parse_gin(files, bindings)
-    arguments = train_arguments()
-    num_slices = flags["num_slices"] or arguments["num_slices"]
     result = plan(arguments, flags["topology"], num_slices, show=lambda line: print(line, flush=True))
   except DoesNotFit as e:
     print(f"pretrain.plan: does not fit: {e}", file=sys.stderr)
     sys.exit(2)
-  except cli.USER_ERRORS as e:
-    cli.fail(e, "pretrain.plan")
   for line in report_lines(result):
     print(line)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  cli.run("pretrain.plan", lambda: main(sys.argv))

@@ -14,11 +14,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from data_pipelines.tasks import FIRST_NORMAL_ID  # ids below are special pieces: check batches avoid them
+from data_pipelines.vocab import FIRST_NORMAL_ID  # ids below are special pieces: check batches avoid them
 from models.albert import AlbertConfig
 from models.bart import BartConfig
 from models.bert import BertConfig
 from models.xlnet import XLNetConfig
+from pretrain.errors import ConfigError
 from pretrain.families.albert import AlbertFamily
 from pretrain.families.bart import BartFamily
 from pretrain.families.bert import BertFamily
@@ -149,7 +150,7 @@ FAMILIES: Mapping[str, FamilySpec] = {spec.name: spec for spec in (
 
 def get(name: str) -> FamilySpec:
   if name not in FAMILIES:
-    raise ValueError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
+    raise ConfigError(f"unknown model family {name!r}; known: {sorted(FAMILIES)}")
   return FAMILIES[name]
 
 
@@ -159,5 +160,5 @@ def from_hf_config(hf_config: Mapping) -> FamilySpec:
   for spec in FAMILIES.values():
     if model_type == spec.hf_model_type or spec.hf_class in architectures:
       return spec
-  raise ValueError(f"config.json model_type={model_type!r}, architectures={architectures}: not one of "
+  raise ConfigError(f"config.json model_type={model_type!r}, architectures={architectures}: not one of "
                    f"{sorted(spec.hf_model_type for spec in FAMILIES.values())}")

@@ -7,29 +7,26 @@
 """
 import sys
 
-import gin
-
-from pretrain import cli
+from pretrain import cli, distributed
+from pretrain.errors import ConfigError
 
 
 def main(argv) -> None:
-  try:
-    files, bindings, rest = cli.split_gin_args(argv[1:])
-    if rest:
-      raise ValueError(f"unknown arguments {rest}; use --gin_file, --gin_bindings or --gin.KEY=VALUE")
-    if not files:
-      raise ValueError("no --gin_file given, e.g. --gin_file=gin_configs/runs/bert_tiny_demo.gin")
-    cli.initialize_distributed()
-    cli.parse_gin(files, bindings)
-    from pretrain import trainer  # after gin parsing: imports are slow, errors above are not
-    summary = gin.get_configurable(trainer.train)()
-  except cli.USER_ERRORS as e:
-    cli.fail(e, "pretrain.train")
+  files, bindings, rest = cli.split_gin_args(argv[1:])
+  if rest:
+    raise ConfigError(f"unknown arguments {rest}; use --gin_file, --gin_bindings or --gin.KEY=VALUE")
+  if not files:
+    raise ConfigError("no --gin_file given, e.g. --gin_file=gin_configs/runs/bert_tiny_demo.gin")
+  distributed.initialize()
+  cli.parse_gin(files, bindings)
   import jax
+
+  from pretrain import trainer  # after gin parsing: imports are slow, errors above are not
+  summary = trainer.train(**cli.bound_arguments(trainer.train))
   if jax.process_index() == 0:
     print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
           f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}")
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  cli.run("pretrain.train", lambda: main(sys.argv))

@@ -66,11 +66,12 @@ def train(run_name, model_dir, steps, bindings=(), gin_files=()):
   """Trains in this process: gin_configs/runs/<run_name>.gin, then `gin_files`, with `bindings`;
   returns the trainer's summary."""
   import gin
+
   from pretrain import cli, trainer
   gin.clear_config()
   cli.parse_gin([f"gin_configs/runs/{run_name}.gin", *gin_files],
                 [*bindings, f"MODEL_DIR = '{model_dir}'", f"TRAIN_STEPS = {steps}"])
-  return gin.get_configurable(trainer.train)()
+  return trainer.train(**cli.bound_arguments(trainer.train))
 
 
 def logged_losses(model_dir):
@@ -119,6 +120,7 @@ def build_hf(mapping, config, params):
   load_state_dict's missing keys."""
   import torch
   import transformers
+
   from pretrain.hf_mappings.common import to_hf
   kwargs = dict(mapping.hf_config(config))
   hf_config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
@@ -137,3 +139,58 @@ def assert_round_trip(mapping, config, params, state):
   assert back.keys() == flat.keys()
   for path, value in flat.items():
     np.testing.assert_array_equal(back[path], value, err_msg=path)
+
+
+# ----------------------------------------------------------------------------- small models with random weights
+
+
+def random_ids(rng, shape, lengths, vocab_size):
+  """Ids in [1, vocab) with trailing pad (0) beyond each row's length."""
+  ids = rng.integers(1, vocab_size, shape)
+  return np.where(np.arange(shape[1])[None] < np.asarray(lengths)[:, None], ids, 0).astype(np.int32)
+
+
+def random_params(model, features):
+  """Random values in the model's param shapes (LayerNorm scales around 1). No zero biases or unit scales
+  to hide a mapping error, and activations large enough that, e.g., the wrong GELU flavour (about 8e-4
+  here) exceeds TOLERANCE. Built from shapes alone: an eager init would cost seconds."""
+  import flax.linen as nn
+  import jax
+  shapes = nn.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), features)["params"])
+  rng = np.random.default_rng(1)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: float(path[-1].key == "scale") + 0.2 * rng.standard_normal(leaf.shape).astype(np.float32),
+      shapes)
+
+
+def random_batch(family, feature_lengths, rng):
+  """Token ids for the *_ids features, 0 or 1 for the rest (segments, labels, positions, weights)."""
+  import jax.numpy as jnp
+  batch = {}
+  for name, spec in family.feature_shapes(2, feature_lengths).items():
+    low, high = (1, 50) if name.endswith("_ids") and name != "segment_ids" else (0, 2)
+    batch[name] = jnp.asarray(rng.integers(low, high, spec.shape), spec.dtype)
+  return batch
+
+
+def target_log_probs(logits, targets):
+  """log p(target) at every position, from a plain log-softmax."""
+  from scipy import special
+  log_probs = special.log_softmax(np.asarray(logits, np.float64), axis=-1)
+  return np.take_along_axis(log_probs, np.asarray(targets)[..., None], -1)[..., 0]
+
+
+def assert_bf16_close(case):
+  """A case's model in bf16 compute stays finite and within bf16's rounding of its fp32 outputs."""
+  import dataclasses
+
+  import jax.numpy as jnp
+  model = type(case["model"])(dataclasses.replace(case["model"].config, dtype=jnp.bfloat16))
+  reference = case["model"].apply({"params": case["params"]}, case["features"])
+  out = model.apply({"params": case["params"]}, case["features"])
+  for name, logits in out.items():
+    logits, expected = np.asarray(logits), np.asarray(reference[name])
+    assert logits.dtype == np.float32 and np.isfinite(logits).all(), name
+    # bf16 keeps 8 bits of mantissa (relative step 2**-8 = 0.004); a few layers of rounding stay well under 5%.
+    relative = np.abs(logits - expected).max() / np.abs(expected).max()
+    assert relative < 0.05, (name, relative)

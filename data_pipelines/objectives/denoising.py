@@ -19,11 +19,7 @@ import seqio
 import tensorflow as tf
 
 from data_pipelines.objectives import documents
-
-
-def split_seed(seed, num: int):
-  """`num` independent stateless seeds derived from `seed`."""
-  return tf.unstack(tf.random.experimental.stateless_split(seed, num))
+from data_pipelines.objectives.random_ops import split_seed
 
 
 def rounded_count(n, rate: float):

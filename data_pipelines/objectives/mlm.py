@@ -11,6 +11,8 @@ skipping any that no longer fit (as the reference skips whole words that overflo
 import seqio
 import tensorflow as tf
 
+from data_pipelines.objectives.random_ops import split_seed
+
 
 def ngram_length_probs(max_ngram: int) -> tf.Tensor:
   weights = 1.0 / tf.range(1, max_ngram + 1, dtype=tf.float32)
@@ -53,25 +55,26 @@ def choose_masked_positions(maskable, word_start, num_to_predict, seed, *, max_n
 
   maskable, word_start: bool [length]. num_to_predict: int32 scalar budget in tokens.
   """
-  seeds = tf.random.experimental.stateless_split(seed, 4)
+  length_seed, ngram_order_seed, unit_order_seed, _ = split_seed(seed, 4)
   unit, num_units = _unit_ids(maskable, word_start, whole_word)
-  unit_sizes = tf.math.unsorted_segment_sum(tf.ones_like(unit), tf.where(unit >= 0, unit, num_units), num_units + 1)[:-1]
+  unit_sizes = tf.math.unsorted_segment_sum(tf.ones_like(unit), tf.where(unit >= 0, unit, num_units),
+                                            num_units + 1)[:-1]
 
   # Cut the unit sequence into consecutive n-grams.
   ngram_lengths = 1 + tf.random.stateless_categorical(
-      tf.math.log(ngram_length_probs(max_ngram))[None], tf.maximum(num_units, 1), seeds[0], dtype=tf.int32)[0]
+      tf.math.log(ngram_length_probs(max_ngram))[None], tf.maximum(num_units, 1), length_seed, dtype=tf.int32)[0]
   ngram_starts = tf.cumsum(ngram_lengths, exclusive=True)
   ngram_starts = ngram_starts[ngram_starts < num_units]
   ngram_of_unit = tf.searchsorted(ngram_starts, tf.range(num_units), side="right") - 1
   ngram_sizes = tf.math.unsorted_segment_sum(unit_sizes, ngram_of_unit, tf.size(ngram_starts))
 
-  ngram_order = tf.argsort(tf.random.stateless_uniform(tf.shape(ngram_sizes), seeds[1]))
+  ngram_order = tf.argsort(tf.random.stateless_uniform(tf.shape(ngram_sizes), ngram_order_seed))
   ngram_taken = _take_while_fits(ngram_order, ngram_sizes, num_to_predict)
   unit_taken = tf.gather(ngram_taken, ngram_of_unit)
 
   # Top up with single units that still fit: the last n-gram rarely fills the budget exactly.
   remaining = num_to_predict - tf.reduce_sum(tf.where(unit_taken, unit_sizes, 0))
-  unit_order = tf.argsort(tf.random.stateless_uniform(tf.shape(unit_sizes), seeds[2]))
+  unit_order = tf.argsort(tf.random.stateless_uniform(tf.shape(unit_sizes), unit_order_seed))
   unit_taken |= _take_each_that_fits(unit_order, unit_sizes, tf.logical_not(unit_taken), remaining)
 
   return tf.gather(tf.concat([unit_taken, [False]], 0), tf.where(unit >= 0, unit, num_units))
@@ -80,7 +83,7 @@ def choose_masked_positions(maskable, word_start, num_to_predict, seed, *, max_n
 def replace_masked(input_ids, chosen, seed, *, mask_id: int, random_token_min: int, vocab_size: int,
                    mask_prob: float = 0.8, random_prob: float = 0.1) -> tf.Tensor:
   """Chosen positions become [MASK] (mask_prob), a random normal piece (random_prob) or stay."""
-  draw_seed, token_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  draw_seed, token_seed = split_seed(seed, 2)
   draw = tf.random.stateless_uniform(tf.shape(input_ids), draw_seed)
   random_tokens = tf.random.stateless_uniform(tf.shape(input_ids), token_seed, minval=random_token_min,
                                               maxval=vocab_size, dtype=tf.int32)
@@ -103,7 +106,7 @@ def mask_tokens(input_ids, maskable, word_start, seed, *, max_predictions: int, 
   word_start bool [length]. Returns input_ids (corrupted), masked_positions / masked_ids
   int32 [max_predictions] and masked_weights float32 [max_predictions], zero-padded.
   """
-  choose_seed, replace_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  choose_seed, replace_seed = split_seed(seed, 2)
   budget = prediction_budget(tf.size(input_ids), rate, max_predictions)
   chosen = choose_masked_positions(maskable, word_start, budget, choose_seed, max_ngram=max_ngram,
                                    whole_word=whole_word)

@@ -18,12 +18,9 @@ the longer segment at random.
 import seqio
 import tensorflow as tf
 
+from data_pipelines.objectives.random_ops import randint, split_seed
+
 NSP, SOP = "nsp", "sop"
-
-
-def randint(seed, low, high):
-  """Uniform int32 in [low, high] inclusive."""
-  return tf.random.stateless_uniform([], seed, minval=low, maxval=high + 1, dtype=tf.int32)
 
 
 def _random_continuation(lengths, target_tokens, seed):
@@ -47,23 +44,23 @@ def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_p
   per-pair seed component.
   """
   num_sentences = tf.size(lengths)
-  seeds = tf.random.experimental.stateless_split(seed, 2)
-  short = tf.random.stateless_uniform([], seeds[0]) < short_seq_prob
-  target = tf.where(short, randint(seeds[1], 2, max_num_tokens), max_num_tokens)
+  short_seed, target_seed = split_seed(seed, 2)
+  short = tf.random.stateless_uniform([], short_seed) < short_seq_prob
+  target = tf.where(short, randint(target_seed, 2, max_num_tokens), max_num_tokens)
 
   def body(step, i, chunk_start, chunk_tokens, pairs):
     chunk_tokens += lengths[i]
     closes = (i == num_sentences - 1) | (chunk_tokens >= target)
     # Seeded by the loop step, not by i: NSP revisits sentences it put back, and a revisit must
     # draw afresh (reusing i's coin made every later pair of a random-next chunk random-next too).
-    step_seeds = tf.random.experimental.stateless_split(tf.random.experimental.stateless_fold_in(seed, step), 4)
+    cut_seed, coin_seed, other_seed, _ = split_seed(tf.random.experimental.stateless_fold_in(seed, step), 4)
     n = i - chunk_start + 1
-    a_end = chunk_start + tf.where(n >= 2, randint(step_seeds[0], 1, tf.maximum(n - 1, 1)), 1)
-    coin = tf.random.stateless_uniform([], step_seeds[1]) < 0.5
+    a_end = chunk_start + tf.where(n >= 2, randint(cut_seed, 1, tf.maximum(n - 1, 1)), 1)
+    coin = tf.random.stateless_uniform([], coin_seed) < 0.5
     if mode == NSP:
       random_next = (n == 1) | (coin & other_is_distinct)
       a_tokens = tf.reduce_sum(lengths[chunk_start:a_end])
-      other_start, other_end = _random_continuation(other_lengths, target - a_tokens, step_seeds[2])
+      other_start, other_end = _random_continuation(other_lengths, target - a_tokens, other_seed)
       pair = tf.where(random_next, [chunk_start, a_end, 1, other_start, other_end, 1, step],
                       [chunk_start, a_end, 0, a_end, i + 1, 0, step])
       # A lone sentence can only make a forced random-next pair: skip it at the document's end,
@@ -86,17 +83,24 @@ def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_p
   return pairs
 
 
+def pair_cuts(len_a, len_b, total):
+  """(cut_a, cut_b): how many tokens the loop `while len_a + len_b > total: trim the longer (b on
+  ties)` removes from each segment, in closed form. Shared by BERT's and XLNet's pair truncation."""
+  excess = tf.maximum(len_a + len_b - total, 0)
+  # Trimming the longer first equalises the lengths, then trimming alternates (b first on ties).
+  longer_first = tf.minimum(excess, tf.abs(len_a - len_b))
+  rest = excess - longer_first
+  a_longer = len_a > len_b
+  return (tf.where(a_longer, longer_first, 0) + rest // 2,
+          tf.where(a_longer, 0, longer_first) + rest - rest // 2)
+
+
 def truncate_pair(a, b, max_num_tokens: int, seed):
   """The reference's truncate_seq_pair in closed form: trim the longer segment one token at a time
   (from the front or back at random) until the pair fits."""
   len_a, len_b = tf.size(a), tf.size(b)
-  excess = tf.maximum(len_a + len_b - max_num_tokens, 0)
-  # Trimming the longer first equalises the lengths, then trimming alternates (b first on ties).
-  first = tf.minimum(excess, tf.abs(len_a - len_b))
-  rest = excess - first
-  cut_a = tf.where(len_a > len_b, first, 0) + rest // 2
-  cut_b = tf.where(len_a > len_b, 0, first) + rest - rest // 2
-  seed_a, seed_b = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  cut_a, cut_b = pair_cuts(len_a, len_b, max_num_tokens)
+  seed_a, seed_b = split_seed(seed, 2)
   front_a = tf.cast(tf.random.stateless_binomial([], seed_a, tf.cast(cut_a, tf.float32), 0.5), tf.int32)
   front_b = tf.cast(tf.random.stateless_binomial([], seed_b, tf.cast(cut_b, tf.float32), 0.5), tf.int32)
   return a[front_a:len_a - (cut_a - front_a)], b[front_b:len_b - (cut_b - front_b)]
@@ -135,7 +139,8 @@ def sentence_pairs(dataset: tf.data.Dataset, sequence_length, *, mode: str, shor
   if mode == NSP:
     # A fixed shuffle seed keeps the pipeline deterministic; per-example randomness comes from seqio seeds.
     others = dataset.shuffle(random_document_buffer, seed=17).map(lambda ex: ex["sentences"])
-    documents = tf.data.Dataset.zip(dataset, others).map(lambda ex, other: {"sentences": ex["sentences"], "other": other})
+    documents = tf.data.Dataset.zip(dataset,
+                                    others).map(lambda ex, other: {"sentences": ex["sentences"], "other": other})
   else:  # SOP never looks at another document: don't read and tokenize the stream twice
     documents = dataset.map(lambda ex: {"sentences": ex["sentences"], "other": ex["sentences"]})
   documents = _attach_plan(documents, max_num_tokens=max_num_tokens, short_seq_prob=short_seq_prob, mode=mode)

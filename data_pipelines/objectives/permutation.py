@@ -5,7 +5,7 @@ per-example seeds, so the same task seed (`seqio.map_seed_manager`) reproduces t
 Two seqio-style preprocessors, applied in order:
 
 - `xlnet_windows`: documents {'sentences': int32 ragged [num_sentences, None]} (the output of
-  `documents.tokenize_sentences`) -> windows {'input_ids', 'segment_ids': [seq_len], 'reversed'}
+  `documents.tokenize_sentences`) -> windows {'input_ids', 'segment_ids': [seq_len], 'backward'}
   laid out `[reuse_len tokens] + A + <sep> + B + <sep> + <cls>`, segment ids 0 / 1 / 2.
 - `xlnet_permutation_features`: window -> input_ids, segment_ids, perm_mask, target_mapping,
   target_ids, target_weights, input_q.
@@ -20,7 +20,8 @@ import seqio
 import tensorflow as tf
 
 from data_pipelines.objectives.mlm import choose_masked_positions, ngram_length_probs
-from data_pipelines.objectives.nsp_sop import randint
+from data_pipelines.objectives.nsp_sop import pair_cuts
+from data_pipelines.objectives.random_ops import randint, split_seed
 
 _SPECIAL_SEGMENT = 2  # segment id of <cls>
 
@@ -39,7 +40,7 @@ def _pair_length(seq_len: int, reuse_len: int) -> int:
 
 # ----------------------------------------------------------------------------- stream -> windows
 
-def _token_stream(dataset: tf.data.Dataset, *, reverse: bool, eod_id) -> tf.data.Dataset:
+def _token_stream(dataset: tf.data.Dataset, *, backward: bool, eod_id) -> tf.data.Dataset:
   """Documents -> one element per token {'ids', 'sentence_start'} in stream order."""
 
   @tf.autograph.experimental.do_not_convert
@@ -47,7 +48,7 @@ def _token_stream(dataset: tf.data.Dataset, *, reverse: bool, eod_id) -> tf.data
     sentences = example["sentences"]
     ids = tf.cast(sentences.values, tf.int32)
     sentence = tf.cast(sentences.value_rowids(), tf.int32)
-    if reverse:  # the backward half of bi_data: each document read right to left
+    if backward:  # the backward half of bi_data: each document read right to left
       ids, sentence = tf.reverse(ids, [0]), tf.reverse(sentence, [0])
     if eod_id is not None:  # as the reference's use_eod: <eod> ends a document, as a sentence of its own
       ids, sentence = tf.concat([ids, [eod_id]], 0), tf.concat([sentence, [-1]], 0)
@@ -81,13 +82,8 @@ def _last(flags, default):
 
 
 def _trim_from_right(len_a, len_b, total: int):
-  """The reference's loop `while a + b > total: trim the longer (b on ties) at its right end`, in closed form."""
-  excess = tf.maximum(len_a + len_b - total, 0)
-  longer_first = tf.minimum(excess, tf.abs(len_a - len_b))
-  rest = excess - longer_first  # then alternately b, a, b, ...
-  a_longer = len_a > len_b
-  cut_a = tf.where(a_longer, longer_first, 0) + rest // 2
-  cut_b = tf.where(a_longer, 0, longer_first) + rest - rest // 2
+  """Lengths after the reference's loop `while a + b > total: trim the longer (b on ties) at its right end`."""
+  cut_a, cut_b = pair_cuts(len_a, len_b, total)
   return len_a - cut_a, len_b - cut_b
 
 
@@ -102,7 +98,7 @@ def split_a_and_b(window, other, seed, *, begin: int, total: int):
   first boundary >= total tokens on. Then the longer of A and B is trimmed at its right end until
   the pair fits. Looking 2·total tokens ahead is enough: anything further would be trimmed anyway.
   """
-  coin_seed, cut_seed, random_b_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 3))
+  coin_seed, cut_seed, random_b_seed = split_seed(seed, 3)
   ids, starts = window["ids"], window["sentence_start"]
   window_len = tf.size(ids)
   offsets = tf.range(window_len) - begin
@@ -131,41 +127,42 @@ def split_a_and_b(window, other, seed, *, begin: int, total: int):
 
 @seqio.map_over_dataset(num_seeds=1)
 @tf.autograph.experimental.do_not_convert
-def _layout_window(example, seed, *, seq_len, reuse_len, sep_id, cls_id, reverse):
+def _layout_window(example, seed, *, seq_len, reuse_len, sep_id, cls_id, backward):
   total = seq_len - reuse_len - 3
   a, b = split_a_and_b(example["window"], example["other"], seed, begin=reuse_len, total=total)
   input_ids = tf.concat([example["window"]["ids"][:reuse_len], a, [sep_id], b, [sep_id, cls_id]], 0)
   segment_ids = tf.concat([tf.zeros([reuse_len + tf.size(a) + 1], tf.int32), tf.ones([tf.size(b) + 1], tf.int32),
                            [_SPECIAL_SEGMENT]], 0)
   return {"input_ids": tf.ensure_shape(input_ids, [seq_len]), "segment_ids": tf.ensure_shape(segment_ids, [seq_len]),
-          "reversed": tf.constant(reverse)}
+          "backward": tf.constant(backward)}
 
 
 def xlnet_windows(dataset: tf.data.Dataset, *, seq_len: int, reuse_len: int, sep_id: int, cls_id: int,
-                  reverse: bool = False, eod_id: int | None = None,
+                  backward: bool = False, eod_id: int | None = None,
                   random_segment_buffer: int = 100) -> tf.data.Dataset:
   """Documents -> consecutive XLNet windows (the reference's `create_tfrecords` as a stream).
 
-  The documents form one token stream (each reversed first if `reverse`; followed by <eod> if
-  eod_id is given). Window k holds stream tokens [k·reuse_len, (k+1)·reuse_len) as its reuse part
-  and splits A/B from the tokens after them (`split_a_and_b`), so window k+1's reuse part is the
-  text right after window k's: Transformer-XL memory carries over. A tail shorter than one window
+  The documents form one token stream (each reversed first if `backward`, the backward half of
+  bi_data; followed by <eod> if eod_id is given). Window k holds stream tokens
+  [k·reuse_len, (k+1)·reuse_len) as its reuse part and splits A/B from the tokens after them
+  (`split_a_and_b`), so window k+1's reuse part is the text right after window k's: Transformer-XL
+  memory carries over. A tail shorter than one window
   is dropped. Random B segments come from a copy of the stream whose documents are shuffled with a
   buffer of `random_segment_buffer` documents (the source is read twice; the buffer is held in
-  memory). 'reversed' tells `xlnet_permutation_features` which way the words read.
+  memory). 'backward' tells `xlnet_permutation_features` which way the words read.
   """
   total = _pair_length(seq_len, reuse_len)
   _check(random_segment_buffer >= 1, f"random_segment_buffer={random_segment_buffer}: must be at least 1")
   window_len = reuse_len + 2 * total
 
   def windows_of(documents):
-    tokens = _token_stream(documents, reverse=reverse, eod_id=eod_id)
+    tokens = _token_stream(documents, backward=backward, eod_id=eod_id)
     return _stream_windows(tokens, reuse_len=reuse_len, window_len=window_len)
 
   # A fixed shuffle seed keeps the pipeline deterministic; per-window randomness comes from seqio seeds.
   others = windows_of(dataset.shuffle(random_segment_buffer, seed=17))
   pairs = tf.data.Dataset.zip({"window": windows_of(dataset), "other": others})
-  return _layout_window(pairs, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id, cls_id=cls_id, reverse=reverse)
+  return _layout_window(pairs, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id, cls_id=cls_id, backward=backward)
 
 
 # ----------------------------------------------------------------------------- prediction mask
@@ -201,8 +198,7 @@ def _spans_over_words(bounds, maskable_word, seed, *, goal, mask_alpha: int, mas
   log_probs = tf.math.log(ngram_length_probs(max_ngram))[None]
 
   def body(step, cursor, num_masked, word_masked):
-    n_seed, context_seed = tf.unstack(tf.random.experimental.stateless_split(
-        tf.random.experimental.stateless_fold_in(seed, step), 2))
+    n_seed, context_seed = split_seed(tf.random.experimental.stateless_fold_in(seed, step), 2)
     n = 1 + tf.random.stateless_categorical(log_probs, 1, n_seed, dtype=tf.int32)[0, 0]
     context = n * mask_alpha // mask_beta
     left = randint(context_seed, 0, context - 1)
@@ -243,7 +239,7 @@ def span_mask(tokens, seed, *, goal, word_start, sep_id: int, cls_id: int, mask_
   `sample_spans`, then top-ups at random places: whole maskable words that fit, then maskable
   one-piece words, and only if those run out single pieces of any non-<sep>/<cls> token.
   """
-  span_seed, fill_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  span_seed, fill_seed = split_seed(seed, 2)
   begins, word_of_token, bounds, maskable_word = segment_words(tokens, word_start, sep_id=sep_id, cls_id=cls_id)
   word_masked = _spans_over_words(bounds, maskable_word, span_seed, goal=goal, mask_alpha=mask_alpha,
                                   mask_beta=mask_beta, max_ngram=max_ngram)
@@ -279,25 +275,26 @@ def local_permutation_mask(is_target, seed, perm_size: int):
   return tf.cast((self_rev_index[:, None] <= rev_index[None, :]) & is_target[None, :], tf.float32)
 
 
-def permutation_features(input_ids, segment_ids, reversed_, seed, *, reuse_len: int, perm_size: int, num_predict: int,
+def permutation_features(input_ids, segment_ids, backward, seed, *, reuse_len: int, perm_size: int, num_predict: int,
                          word_start, sep_id: int, cls_id: int, mask_alpha: int = 6, mask_beta: int = 1,
                          max_ngram: int = 5) -> dict:
   """One window's XLNet features (the reference's `parser`).
 
-  input_ids / segment_ids int32 [seq_len]; reversed_: bool scalar, the window reads right to left
-  (words are found after flipping each part back, as the reference's `_sample_mask(reverse=True)`).
+  input_ids / segment_ids int32 [seq_len]; backward: bool scalar, the window reads right to left (the
+  backward half of bi_data; words are found after flipping each part back, as the reference's
+  `_sample_mask(reverse=True)`).
   The reuse part gets ceil(num_predict / 2) targets and the rest floor (43 / 42 of 85).
   """
   seq_len = input_ids.shape[0]
-  mask_seeds = tf.unstack(tf.random.experimental.stateless_split(seed, 4))
+  mask_seeds = split_seed(seed, 4)
   parts = (input_ids[:reuse_len], input_ids[reuse_len:])
   goals = (num_predict - num_predict // 2, num_predict // 2)
   is_target, perm_masks = [], []
   for part, goal, mask_seed, perm_seed in zip(parts, goals, mask_seeds[:2], mask_seeds[2:]):
-    forward = tf.where(reversed_, tf.reverse(part, [0]), part)
+    forward = tf.where(backward, tf.reverse(part, [0]), part)
     masked = span_mask(forward, mask_seed, goal=goal, word_start=word_start, sep_id=sep_id, cls_id=cls_id,
                        mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
-    is_target.append(tf.where(reversed_, tf.reverse(masked, [0]), masked))
+    is_target.append(tf.where(backward, tf.reverse(masked, [0]), masked))
     perm_masks.append(local_permutation_mask(is_target[-1], perm_seed, perm_size))
 
   rest_len = seq_len - reuse_len
@@ -324,7 +321,7 @@ def permutation_features(input_ids, segment_ids, reversed_, seed, *, reuse_len: 
 @tf.autograph.experimental.do_not_convert  # control flow is explicit; converting it took ~10 s per trace
 def _window_features(example, seed, *, seq_len, **kwargs):
   return permutation_features(tf.ensure_shape(example["input_ids"], [seq_len]),
-                              tf.ensure_shape(example["segment_ids"], [seq_len]), example["reversed"], seed, **kwargs)
+                              tf.ensure_shape(example["segment_ids"], [seq_len]), example["backward"], seed, **kwargs)
 
 
 def xlnet_permutation_features(dataset: tf.data.Dataset, *, seq_len: int, reuse_len: int, perm_size: int,

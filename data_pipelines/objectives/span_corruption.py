@@ -10,7 +10,8 @@ import seqio
 import tensorflow as tf
 
 from data_pipelines.objectives import documents
-from data_pipelines.objectives.denoising import encoder_decoder_features, random_subset_mask, split_seed
+from data_pipelines.objectives.denoising import encoder_decoder_features, random_subset_mask
+from data_pipelines.objectives.random_ops import split_seed
 
 
 def _check_rates(noise_density: float, mean_noise_span_length: float):

@@ -1,8 +1,9 @@
 """The small interface through which the trainer knows a model family.
 
-A family says which Flax module to build, which features a batch carries (names, shapes, dtypes),
-what state it carries from one step to the next (XLNet's memory; nothing for the others), and how
-model outputs and a batch become a loss and metrics. The trainer's core never names a family.
+A family says which Flax module to build, which objectives' examples it trains on (their features
+are stated in `data_pipelines.features`), what state it carries from one step to the next (XLNet's
+memory; nothing for the others), and how model outputs and a batch become a loss and metrics. The
+trainer's core never names a family.
 """
 import abc
 import dataclasses
@@ -13,6 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from data_pipelines import features
+from pretrain.errors import ConfigError, user_settings
+
 Batch = Mapping[str, jax.Array]
 Metrics = Dict[str, jax.Array]
 
@@ -22,23 +26,46 @@ class Family(abc.ABC):
 
   name: str
   config: Any
+  objectives: Tuple[str, ...]  # the objectives (`data_pipelines.features.SCHEMAS`) whose examples it takes
+  layer_count_fields: Tuple[str, ...]  # config fields that set the depth of each layer stack
 
-  def with_vocab_size(self, vocab_size: int) -> "Family":
-    """Fits the model to the run's vocabulary: fills an unset size, rejects one too small."""
-    size = self.config.vocab_size
+  def fit_to_data(self, vocab_size: int, objective: str, feature_lengths: Mapping[str, int]) -> "Family":
+    """The family with its model fitted to the run's data: an unset vocab_size becomes the vocabulary's
+    (one too small is an error), and the objective must be one it trains on, at lengths it takes."""
+    if objective not in self.objectives:
+      raise ConfigError(f"the {self.name} family trains on {' or '.join(self.objectives)} examples, the task "
+                        f"gives {objective} examples: pair the model and objective gin files of one family")
+    with user_settings():
+      features.schema(objective).check_lengths(objective, feature_lengths)
+    with_lengths = self._fit_lengths(feature_lengths)
+    size = with_lengths.config.vocab_size
     if size is None:
-      return dataclasses.replace(self, config=dataclasses.replace(self.config, vocab_size=vocab_size))
+      return dataclasses.replace(with_lengths, config=dataclasses.replace(with_lengths.config, vocab_size=vocab_size))
     if size < vocab_size:
-      raise ValueError(f"{self.name} vocab_size={size} is smaller than the vocabulary ({vocab_size} pieces)")
+      raise ConfigError(f"{self.name} vocab_size={size} is smaller than the vocabulary ({vocab_size} pieces)")
+    return with_lengths
+
+  def _fit_lengths(self, feature_lengths: Mapping[str, int]) -> "Family":
+    """Model settings that follow from TASK_FEATURE_LENGTHS (XLNet's reuse_len); none by default."""
+    del feature_lengths
     return self
 
   @abc.abstractmethod
   def make_model(self) -> nn.Module:
     """The Flax module; `module.apply(variables, features, deterministic=..., **carry)`."""
 
-  @abc.abstractmethod
   def feature_shapes(self, batch_size: int, feature_lengths: Mapping[str, int]) -> Dict[str, jax.ShapeDtypeStruct]:
-    """Every feature of a batch as the feature converter emits it."""
+    """Every feature of a batch of `batch_size` rows, as the feature converter emits it."""
+    shapes = features.schema(self.objectives[0]).shapes(feature_lengths)  # a family's objectives share one schema
+    return {name: jax.ShapeDtypeStruct((batch_size,) + shape, dtype) for name, (shape, dtype) in shapes.items()}
+
+  def example_rows(self) -> int:
+    """Rows of the dummy batch that initialises the params."""
+    return 1
+
+  def check_microbatch_rows(self, rows: int) -> None:
+    """Refuses a layout the family cannot run: `rows` per data-parallel group per microbatch."""
+    del rows
 
   def initial_carry(self, batch_size: int) -> Dict[str, jax.Array]:
     """State carried across steps (e.g. XLNet memory). Empty for stateless families."""
@@ -50,8 +77,8 @@ class Family(abc.ABC):
     carried for a row continues that row's text; the others leave it to DATA_SHARDS (None)."""
     return batch_size if self.carry_axes() else None
 
-  def reverse_odd_rows(self) -> bool:
-    """Whether odd batch rows read the reversed text of the row before (XLNet's bi_data)."""
+  def bi_data(self) -> bool:
+    """Whether odd batch rows read the text of the row before backwards (XLNet's bi_data)."""
     return False
 
   def carry_axes(self) -> Dict[str, Tuple[str, ...]]:

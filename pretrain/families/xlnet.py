@@ -1,10 +1,10 @@
 """XLNet family: permutation LM on the query stream at target_mapping positions, with memory carried across steps."""
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from models.xlnet import MEMORY_AXES, XLNetConfig, XLNetLMHeadModel
+from pretrain.errors import ConfigError
 from pretrain.families.base import Family, weighted_cross_entropy
 
 
@@ -12,28 +12,35 @@ from pretrain.families.base import Family, weighted_cross_entropy
 class XLNetFamily(Family):
   config: XLNetConfig = XLNetConfig()
   name: str = "xlnet"
+  objectives: tuple = ("xlnet_plm",)
+  layer_count_fields: tuple = ("n_layer",)
 
   def make_model(self):
     return XLNetLMHeadModel(self.config)
 
-  def feature_shapes(self, batch_size, feature_lengths):
-    length, predictions = feature_lengths["input_ids"], feature_lengths["target_ids"]
-    i32, f32 = jnp.int32, jnp.float32
-    return {
-        "input_ids": jax.ShapeDtypeStruct((batch_size, length), i32),
-        "segment_ids": jax.ShapeDtypeStruct((batch_size, length), i32),
-        "perm_mask": jax.ShapeDtypeStruct((batch_size, length, length), f32),
-        "target_mapping": jax.ShapeDtypeStruct((batch_size, predictions, length), f32),
-        "target_ids": jax.ShapeDtypeStruct((batch_size, predictions), i32),
-        "target_weights": jax.ShapeDtypeStruct((batch_size, predictions), f32),
-    }
+  def _fit_lengths(self, feature_lengths):
+    """The model caches exactly the tokens each data window shares with the next: the data's reuse_len."""
+    reuse_len = feature_lengths["reuse_len"]
+    if self.config.reuse_len not in (None, reuse_len):
+      raise ConfigError(f"xlnet.XLNetConfig.reuse_len={self.config.reuse_len} differs from the data's "
+                        f"TASK_FEATURE_LENGTHS reuse_len={reuse_len}: the model must cache the tokens the next window "
+                        "continues; set only REUSE_LEN (TASK_FEATURE_LENGTHS)")
+    return dataclasses.replace(self, config=dataclasses.replace(self.config, reuse_len=reuse_len))
+
+  def example_rows(self):
+    return 2 if self.config.bi_data else 1  # a forward and a backward row
+
+  def check_microbatch_rows(self, rows):
+    if self.config.bi_data and rows % 2:
+      raise ConfigError(f"bi_data pairs forward and backward rows, but the batch gives {rows} rows per data-parallel "
+                        "group per microbatch: make it even (BATCH_SIZE, MICROBATCHES)")
 
   def initial_carry(self, batch_size):
     # Batch leads, as in every carry: the trainer splits carries by rows for gradient accumulation.
     cfg = self.config
     return {"mems": jnp.zeros((batch_size, cfg.n_layer, cfg.mem_len, cfg.d_model), jnp.float32)}
 
-  def reverse_odd_rows(self):
+  def bi_data(self):
     return self.config.bi_data
 
   def carry_axes(self):

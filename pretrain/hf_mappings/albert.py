@@ -5,8 +5,9 @@ one layer serving every layer (share='all'). The ablation modes have no HF equiv
 """
 from models import layers
 from models.albert import AlbertConfig
-from pretrain.hf_mappings.bert import dense_rules, encoder_layer_rules, norm_rules, pretraining_head_rules
-from pretrain.hf_mappings.common import Rule
+from pretrain.errors import ConfigError
+from pretrain.hf_mappings.bert import encoder_layer_rules, pretraining_head_rules
+from pretrain.hf_mappings.common import Rule, dense_rules, norm_rules
 
 HF_CLASS = "AlbertForPreTraining"
 HF_SHARED_LAYER = "albert.encoder.albert_layer_groups.0.albert_layers.0"
@@ -15,7 +16,7 @@ GELU_NAMES = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}  # HF 
 
 def _require_full_sharing(share: str) -> None:
   if share != "all":
-    raise ValueError(f"share={share!r}: HuggingFace ALBERT only holds fully shared layers (share='all')")
+    raise ConfigError(f"share={share!r}: HuggingFace ALBERT only holds fully shared layers (share='all')")
 
 
 def rules(config: AlbertConfig) -> list:
@@ -28,8 +29,8 @@ def rules(config: AlbertConfig) -> list:
   ours = f"encoder/{layers.SHARED_LAYER}"  # the same whether scanned or not
   out += encoder_layer_rules(ours, query_key_value=f"{HF_SHARED_LAYER}.attention",
                              attention_output=f"{HF_SHARED_LAYER}.attention.dense",
-                             attention_norm=f"{HF_SHARED_LAYER}.attention.LayerNorm", intermediate=f"{HF_SHARED_LAYER}.ffn",
-                             output=f"{HF_SHARED_LAYER}.ffn_output",
+                             attention_norm=f"{HF_SHARED_LAYER}.attention.LayerNorm",
+                             intermediate=f"{HF_SHARED_LAYER}.ffn", output=f"{HF_SHARED_LAYER}.ffn_output",
                              output_norm=f"{HF_SHARED_LAYER}.full_layer_layer_norm")
   out += pretraining_head_rules("sop", pooler="albert.pooler", pair="sop_classifier.classifier",
                                 transform="predictions.dense", transform_norm="predictions.LayerNorm",
@@ -51,11 +52,11 @@ def hf_config(config: AlbertConfig) -> dict:
 
 def config_from_hf(hf: dict) -> AlbertConfig:
   if hf.get("num_hidden_groups", 1) != 1 or hf.get("inner_group_num", 1) != 1:
-    raise ValueError(f"num_hidden_groups={hf.get('num_hidden_groups')}, inner_group_num={hf.get('inner_group_num')}: "
+    raise ConfigError(f"num_hidden_groups={hf.get('num_hidden_groups')}, inner_group_num={hf.get('inner_group_num')}: "
                      "only one shared layer (1, 1) is supported")
   act = hf.get("hidden_act", "gelu_new")
   if act not in GELU_NAMES:
-    raise ValueError(f"hidden_act={act!r}: expected one of {sorted(GELU_NAMES)}")
+    raise ConfigError(f"hidden_act={act!r}: expected one of {sorted(GELU_NAMES)}")
   return AlbertConfig(
       vocab_size=hf["vocab_size"], embedding_size=hf["embedding_size"], hidden_size=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"], mlp_dim=hf["intermediate_size"],

@@ -10,8 +10,8 @@ import numpy as np
 
 from data_pipelines.vocab import BOS_ID, EOS_ID, PAD_ID
 from models.bart import BartConfig
-from pretrain.hf_mappings.bert import dense_rules, norm_rules
-from pretrain.hf_mappings.common import Linear, Rule, Same
+from pretrain.errors import ConfigError
+from pretrain.hf_mappings.common import Linear, Rule, Same, dense_rules, norm_rules
 
 HF_CLASS = "BartForConditionalGeneration"
 HF_LAYER_NORM_EPS = 1e-5  # HF BART's LayerNorms use torch's default epsilon, not a config value
@@ -66,7 +66,7 @@ def rules(config: BartConfig) -> list:
 
 def hf_config(config: BartConfig) -> dict:
   if config.layer_norm_eps != HF_LAYER_NORM_EPS:
-    raise ValueError(f"layer_norm_eps={config.layer_norm_eps}: HuggingFace BART fixes it at {HF_LAYER_NORM_EPS}")
+    raise ConfigError(f"layer_norm_eps={config.layer_norm_eps}: HuggingFace BART fixes it at {HF_LAYER_NORM_EPS}")
   return dict(
       model_type="bart", architectures=[HF_CLASS], vocab_size=config.vocab_size, d_model=config.d_model,
       encoder_layers=config.encoder_layers, decoder_layers=config.decoder_layers,
@@ -84,10 +84,10 @@ def config_from_hf(hf: dict) -> BartConfig:
   for ours, (encoder_key, decoder_key) in {"num_heads": ("encoder_attention_heads", "decoder_attention_heads"),
                                            "ffn_dim": ("encoder_ffn_dim", "decoder_ffn_dim")}.items():
     if hf[encoder_key] != hf[decoder_key]:
-      raise ValueError(f"{encoder_key}={hf[encoder_key]} differs from {decoder_key}={hf[decoder_key]}: "
+      raise ConfigError(f"{encoder_key}={hf[encoder_key]} differs from {decoder_key}={hf[decoder_key]}: "
                        f"BartConfig has one {ours}")
   if hf.get("activation_function", "gelu") != "gelu":
-    raise ValueError(f"activation_function={hf['activation_function']!r}: only 'gelu' is supported")
+    raise ConfigError(f"activation_function={hf['activation_function']!r}: only 'gelu' is supported")
   return BartConfig(
       vocab_size=hf["vocab_size"], d_model=hf["d_model"], encoder_layers=hf["encoder_layers"],
       decoder_layers=hf["decoder_layers"], num_heads=hf["encoder_attention_heads"], ffn_dim=hf["encoder_ffn_dim"],

@@ -1,6 +1,6 @@
 """BERT <-> transformers `BertForPreTraining`."""
 from models.bert import BertConfig
-from pretrain.hf_mappings.common import Linear, Rule, Same
+from pretrain.hf_mappings.common import Linear, Rule, Same, dense_rules, norm_rules
 
 HF_CLASS = "BertForPreTraining"
 
@@ -12,15 +12,6 @@ def attention_rules(flax_prefix: str, hf_prefix: str) -> list:
     rules += [Rule(f"{flax_prefix}/{name}/kernel", f"{hf_prefix}.{name}.weight", Linear(1)),
               Rule(f"{flax_prefix}/{name}/bias", f"{hf_prefix}.{name}.bias", Same(flatten=True))]
   return rules
-
-
-def dense_rules(flax_prefix: str, hf_prefix: str, num_in_dims: int = 1) -> list:
-  return [Rule(f"{flax_prefix}/kernel", f"{hf_prefix}.weight", Linear(num_in_dims)),
-          Rule(f"{flax_prefix}/bias", f"{hf_prefix}.bias")]
-
-
-def norm_rules(flax_prefix: str, hf_prefix: str) -> list:
-  return [Rule(f"{flax_prefix}/scale", f"{hf_prefix}.weight"), Rule(f"{flax_prefix}/bias", f"{hf_prefix}.bias")]
 
 
 def encoder_layer_rules(ours: str, *, query_key_value: str, attention_output: str, attention_norm: str,
@@ -55,7 +46,8 @@ def rules(config: BertConfig) -> list:
                                output_norm=f"{theirs}.output.LayerNorm")
   out += pretraining_head_rules("nsp", pooler="bert.pooler.dense", pair="cls.seq_relationship",
                                 transform="cls.predictions.transform.dense",
-                                transform_norm="cls.predictions.transform.LayerNorm", output_bias="cls.predictions.bias")
+                                transform_norm="cls.predictions.transform.LayerNorm",
+                                output_bias="cls.predictions.bias")
   return out
 
 

@@ -10,6 +10,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from pretrain.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Same:
@@ -74,7 +76,8 @@ def to_hf(params: Mapping, rules: Sequence[Rule]) -> dict:
   unmapped = sorted(set(flat) - claimed)
   missing = sorted(claimed - set(flat))
   if unmapped or missing:
-    raise ValueError(f"weight mapping mismatch: unmapped Flax params {unmapped[:5]}, rules without params {missing[:5]}")
+    raise ValueError(
+        f"weight mapping mismatch: unmapped Flax params {unmapped[:5]}, rules without params {missing[:5]}")
   return {rule.hf_key: np.ascontiguousarray(rule.transform.to_hf(flat[rule.flax_path])) for rule in rules}
 
 
@@ -82,13 +85,24 @@ def from_hf(state_dict: Mapping[str, np.ndarray], rules: Sequence[Rule], shapes:
   """{hf_key: array} -> Flax params, given the Flax leaf shapes ({flax_path: shape})."""
   missing = sorted(rule.hf_key for rule in rules if rule.hf_key not in state_dict)
   if missing:
-    raise ValueError(f"HuggingFace checkpoint lacks weights {missing[:5]} ({len(missing)} in all)")
+    raise ConfigError(f"HuggingFace checkpoint lacks weights {missing[:5]} ({len(missing)} in all)")
   flat = {}
   for rule in rules:
     value = np.asarray(state_dict[rule.hf_key], dtype=np.float32)
     shape = tuple(shapes[rule.flax_path])
     converted = rule.transform.from_hf(value, shape)
     if converted.shape != shape:
-      raise ValueError(f"{rule.hf_key}: shape {value.shape} does not fit {rule.flax_path} {shape}")
+      raise ConfigError(f"{rule.hf_key}: shape {value.shape} does not fit {rule.flax_path} {shape}")
     flat[rule.flax_path] = converted
   return unflatten_params(flat)
+
+
+def dense_rules(flax_prefix: str, hf_prefix: str, num_in_dims: int = 1) -> list:
+  """A Flax Dense (kernel, bias) against a torch Linear (weight [out, in], bias)."""
+  return [Rule(f"{flax_prefix}/kernel", f"{hf_prefix}.weight", Linear(num_in_dims)),
+          Rule(f"{flax_prefix}/bias", f"{hf_prefix}.bias")]
+
+
+def norm_rules(flax_prefix: str, hf_prefix: str) -> list:
+  """A Flax LayerNorm (scale, bias) against a torch LayerNorm (weight, bias)."""
+  return [Rule(f"{flax_prefix}/scale", f"{hf_prefix}.weight"), Rule(f"{flax_prefix}/bias", f"{hf_prefix}.bias")]

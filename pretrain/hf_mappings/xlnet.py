@@ -5,8 +5,8 @@ plain copies. HF keeps r_w/r_r/r_s biases per layer: a model with shared biases 
 has no HF counterpart. The LM head weight is tied to the word embedding and not listed.
 """
 from models.xlnet import BIAS_NAMES, XLNetConfig
-from pretrain.hf_mappings.bert import dense_rules, norm_rules
-from pretrain.hf_mappings.common import Rule
+from pretrain.errors import ConfigError
+from pretrain.hf_mappings.common import Rule, dense_rules, norm_rules
 
 HF_CLASS = "XLNetLMHeadModel"
 
@@ -24,7 +24,7 @@ def layer_rules(flax_prefix: str, hf_prefix: str) -> list:
 
 def rules(config: XLNetConfig) -> list:
   if not config.untie_r:
-    raise ValueError("untie_r=False: HuggingFace XLNet has per-layer attention biases only; use untie_r=True")
+    raise ConfigError("untie_r=False: HuggingFace XLNet has per-layer attention biases only; use untie_r=True")
   out = [Rule("word_embedding/embedding", "transformer.word_embedding.weight"),
          Rule("mask_emb", "transformer.mask_emb"),
          Rule("lm_loss/bias", "lm_loss.bias")]
@@ -35,7 +35,7 @@ def rules(config: XLNetConfig) -> list:
 
 def hf_config(config: XLNetConfig) -> dict:
   if config.d_head * config.n_head != config.d_model:
-    raise ValueError(f"d_head={config.d_head}: HuggingFace XLNet needs d_head = d_model // n_head "
+    raise ConfigError(f"d_head={config.d_head}: HuggingFace XLNet needs d_head = d_model // n_head "
                      f"({config.d_model} // {config.n_head})")
   return dict(
       model_type="xlnet", architectures=[HF_CLASS], vocab_size=config.vocab_size, d_model=config.d_model,
@@ -48,7 +48,7 @@ def hf_config(config: XLNetConfig) -> dict:
 
 def config_from_hf(hf: dict) -> XLNetConfig:
   if hf.get("ff_activation", "gelu") != "gelu":
-    raise ValueError(f"ff_activation={hf['ff_activation']!r}: only 'gelu' (exact erf GELU) is supported")
+    raise ConfigError(f"ff_activation={hf['ff_activation']!r}: only 'gelu' (exact erf GELU) is supported")
   return XLNetConfig(
       vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_layer=hf["n_layer"], n_head=hf["n_head"],
       d_head=hf.get("d_head") or hf["d_model"] // hf["n_head"], d_inner=hf["d_inner"],

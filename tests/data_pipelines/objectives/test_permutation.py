@@ -50,19 +50,19 @@ def documents_dataset(docs):
   return tf.data.Dataset.from_tensor_slices({"sentences": sentences})
 
 
-def stream_of(docs, reverse=False):
-  """The token stream the windows must follow: documents (reversed if asked), each ended by <eod>."""
+def stream_of(docs, backward=False):
+  """The token stream the windows must follow: documents (reversed if backward), each ended by <eod>."""
   stream = []
   for doc in docs:
     tokens = [token for sentence in doc for token in sentence]
-    stream += (tokens[::-1] if reverse else tokens) + [EOD]
+    stream += (tokens[::-1] if backward else tokens) + [EOD]
   return np.asarray(stream)
 
 
-def windows(docs, reverse=False, seed=0, **sizes):
+def windows(docs, backward=False, seed=0, **sizes):
   sizes = {"seq_len": SEQ, "reuse_len": REUSE, **sizes}
   with seqio.map_seed_manager(seed):
-    return permutation.xlnet_windows(documents_dataset(docs), sep_id=SEP, cls_id=CLS, eod_id=EOD, reverse=reverse,
+    return permutation.xlnet_windows(documents_dataset(docs), sep_id=SEP, cls_id=CLS, eod_id=EOD, backward=backward,
                                      **sizes)
 
 
@@ -91,9 +91,9 @@ def forward_windows(forward_docs):
 
 @pytest.fixture(scope="module")
 def examples(forward_docs):
-  """Forward then reversed feature examples (one pipeline: the direction travels with each window)."""
+  """Forward then backward feature examples (one pipeline: the direction travels with each window)."""
   num_forward = len(list(windows(forward_docs).as_numpy_iterator()))
-  both = windows(forward_docs).concatenate(windows(corpus(1000, seed=2), reverse=True))
+  both = windows(forward_docs).concatenate(windows(corpus(1000, seed=2), backward=True))
   return [(example, k >= num_forward) for k, example in enumerate(features(both))]
 
 
@@ -111,7 +111,7 @@ def test_windows_continue_the_stream_with_the_reference_layout(forward_docs, for
     np.testing.assert_array_equal(segments, [0] * (REUSE + len_a + 1) + [1] * (len_b + 1) + [2])
     assert ids[REUSE + len_a] == SEP and ids[-2] == SEP and ids[-1] == CLS
     assert not np.any(np.isin(ids[:REUSE + len_a], [SEP, CLS])) and not np.any(np.isin(ids[-len_b - 2:-2], [SEP, CLS]))
-    assert not window["reversed"]
+    assert not window["backward"]
     # Memory: the reuse part is the text right after the previous window's, and A continues it.
     np.testing.assert_array_equal(ids[:REUSE], stream[k * REUSE:(k + 1) * REUSE])
     a_start = (k + 1) * REUSE
@@ -124,14 +124,14 @@ def test_windows_continue_the_stream_with_the_reference_layout(forward_docs, for
   assert abs(continuations / n - 0.5) <= Z * math.sqrt(0.25 / n), f"B is the continuation in {continuations}/{n}"
 
 
-def test_reverse_reads_every_document_backwards():
+def test_backward_reads_every_document_right_to_left():
   docs = corpus(150, seed=3)
-  reversed_windows = list(windows(docs, reverse=True).as_numpy_iterator())
-  stream = stream_of(docs, reverse=True)
-  assert len(reversed_windows) >= len(stream) // REUSE - 3
-  reuse_parts = np.concatenate([w["input_ids"][:REUSE] for w in reversed_windows])
+  backward_windows = list(windows(docs, backward=True).as_numpy_iterator())
+  stream = stream_of(docs, backward=True)
+  assert len(backward_windows) >= len(stream) // REUSE - 3
+  reuse_parts = np.concatenate([w["input_ids"][:REUSE] for w in backward_windows])
   np.testing.assert_array_equal(reuse_parts, stream[:len(reuse_parts)])
-  assert all(w["reversed"] for w in reversed_windows)
+  assert all(w["backward"] for w in backward_windows)
 
 
 # ----------------------------------------------------------------------------- targets and permutation
@@ -186,13 +186,13 @@ def one_piece_words_left(tokens, masked):
 def test_targets_permutation_and_whole_words(examples):
   assert len(examples) >= 2000
   split_words = 0
-  for example, reversed_ in examples:
+  for example, backward in examples:
     targets = check_targets(example, PREDICT, REUSE)
     check_perm_mask(example["perm_mask"], targets, REUSE)
     masked = example["input_q"] > 0
     for part in (slice(0, REUSE), slice(REUSE, SEQ)):
       tokens, part_masked = example["input_ids"][part], masked[part]
-      if reversed_:  # words read forwards once a reversed part is flipped back
+      if backward:  # words read forwards once a backward part is flipped back
         tokens, part_masked = tokens[::-1], part_masked[::-1]
       if not whole_words(tokens, part_masked):
         # Exactness beats whole words only when no one-piece word was left to fill the last gap.
@@ -225,7 +225,7 @@ def test_real_xlnet_sizes():
   docs = corpus(80, seed=5)
   settings = {"seq_len": 512, "reuse_len": 256, "perm_size": 256, "num_predict": 85}
   both = windows(docs, seq_len=512, reuse_len=256).take(3).concatenate(
-      windows(docs, reverse=True, seq_len=512, reuse_len=256).take(3))
+      windows(docs, backward=True, seq_len=512, reuse_len=256).take(3))
   xlnet_examples = features(both, **settings)
   assert len(xlnet_examples) == 6
   for example in xlnet_examples:
@@ -309,13 +309,14 @@ def test_bad_settings_are_refused(settings, problem):
 
 def test_bi_data_row_pairs_read_every_part_of_the_data_both_ways(demo_paths):
   """Row 2k reads part k forwards and row 2k+1 the same part backwards; every part is read."""
+  from data_pipelines import tasks
   from data_pipelines.input_pipeline import InputPipeline
   pipeline = InputPipeline("demo_xlnet_plm", {}, global_batch_size=8, model_features={}, num_data_shards=8,
-                           reverse_odd_rows=True, process_index=0, process_count=1)
+                           bi_data=True, process_index=0, process_count=1)
   reads = [pipeline.data_shard(row) for row in range(8)]
   for row in range(0, 8, 2):
     (forward_task, forward), (backward_task, backward) = reads[row], reads[row + 1]
-    assert backward_task == f"{forward_task}_reversed" and not forward_task.endswith("_reversed")
+    assert backward_task == forward_task + tasks.BACKWARD_SUFFIX and not forward_task.endswith(tasks.BACKWARD_SUFFIX)
     assert forward == backward
   assert sorted(shard.index for _, shard in reads[::2]) == [0, 1, 2, 3]
   assert {shard.num_shards for _, shard in reads} == {4}

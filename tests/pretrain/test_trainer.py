@@ -1,11 +1,12 @@
-"""The training path end to end: loss falls, resume is exact, sharding does not change the maths,
-and bad configuration fails with one line."""
+"""The train loop end to end: loss falls, resume is exact, sharding does not change the maths, and the
+model caches exactly the tokens the data's windows continue."""
 import json
 
 import numpy as np
 import pytest
 
 from helpers import SMALL_BERT, host_devices, logged_losses, run_module, small_bert_flags, train
+from data_pipelines import vocab
 
 SMALL_XLNET = [
     "xlnet.XLNetConfig.d_model = 32", "xlnet.XLNetConfig.d_head = 16", "xlnet.XLNetConfig.d_inner = 64",
@@ -26,7 +27,8 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
   assert list((tmp_path / "tensorboard" / "train").iterdir())
 
 
-@pytest.mark.parametrize("run, layout", [("bert_tiny_demo", []), ("xlnet_tiny_demo", ["xlnet.XLNetConfig.scan_layers = True"])])
+@pytest.mark.parametrize("run, layout", [("bert_tiny_demo", []),
+                                         ("xlnet_tiny_demo", ["xlnet.XLNetConfig.scan_layers = True"])])
 def test_resume_is_exact(tmp_path, run, layout):
   """A run stopped at step 5 and resumed logs the losses of an uninterrupted one.
 
@@ -54,25 +56,29 @@ def test_one_device_and_eight_devices_agree(tmp_path):
   np.testing.assert_allclose(losses["one"], losses["eight"], rtol=2e-5)
 
 
-BERT_RUN, XLNET_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
+def test_the_model_caches_what_the_next_window_continues():
+  """REUSE_LEN (TASK_FEATURE_LENGTHS' reuse_len) sets both the data's windows and the model's cache.
 
+  Each window of a row is [reuse part | A SEP B SEP CLS]; the next window's reuse part is the text
+  right after this one's, so it begins with A. The model caches the first reuse_len positions.
+  """
+  import gin
 
-@pytest.mark.parametrize("args, message", [
-    ([BERT_RUN, "--gin.NO_SUCH_MACRO_OR_CONFIG.x=1"], "NO_SUCH_MACRO_OR_CONFIG"),
-    ([BERT_RUN, "--gin.MIXTURE_OR_TASK_NAME='no_such_task'"], "unknown task or mixture 'no_such_task'"),
-    ([BERT_RUN, "--gin.TRAIN_FILES='/nonexistent/*.txt'"], "TRAIN_FILES='/nonexistent/*.txt' matches no files"),
-    ([BERT_RUN, "--gin.PER_DEVICE_BATCH=3"], "PER_DEVICE_BATCH=3 does not divide the 32 rows"),
-    ([BERT_RUN, "--gin.PER_DEVICE_BATCH=8", "--gin.MICROBATCHES=2"],
-     "MICROBATCHES=2 and PER_DEVICE_BATCH=8: set one of them"),
-    ([BERT_RUN, "--gin_file=gin_configs/objectives/wikipedia_books.gin"],
-     "VOCAB_MODEL is not set: the TFDS task 'wikipedia/20230601.en:1.0.0' needs the sentencepiece model"),
-    ([BERT_RUN, "--gin_file=gin_configs/objectives/tfds_source.gin", "--gin.TFDS_DATA_DIR='/nonexistent'",
-      "--gin.VOCAB_MODEL='/data/spm.model'"],
-     "TFDS dataset 'wikipedia/20230601.en:1.0.0' is not prepared in TFDS_DATA_DIR='/nonexistent'"),
-    ([XLNET_RUN, "--gin.DATA_SHARDS=2"], "DATA_SHARDS=2: xlnet reads one data shard per batch row (BATCH_SIZE=16)"),
-])
-def test_bad_configuration_fails_with_one_line(args, message, tmp_path):
-  result = run_module("pretrain.train", *args, f"--gin.MODEL_DIR='{tmp_path}'", timeout=300)
-  assert result.returncode != 0
-  last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("pretrain.train: error:") and message in last, result.stderr[-1500:]
+  from pretrain import cli, trainer
+  reuse = 16  # not the paper's half of the window (32), which the data used whatever REUSE_LEN said
+  gin.clear_config()
+  cli.parse_gin(["gin_configs/runs/xlnet_tiny_demo.gin"],
+                ["SEQ_LEN = 64", f"REUSE_LEN = {reuse}", "NUM_PREDICT = 6", "MODEL_DIR = '/unused'"])
+  run = cli.bound_arguments(trainer.train, ["family", "mixture_or_task_name", "task_feature_lengths"])
+  family = trainer.fitted_family(run["family"], run["mixture_or_task_name"], run["task_feature_lengths"])
+  assert family.config.reuse_len == reuse
+  data = trainer.input_pipeline_for_run(family, run["mixture_or_task_name"], run["task_feature_lengths"], 4, 1, 0,
+                                        None, process_index=0, process_count=1)
+  sep = vocab.special_ids(data.vocabulary).sep
+  batches = data.iterator("train")
+  windows = [{k: np.asarray(v)[0] for k, v in next(batches).items()} for _ in range(8)]  # row 0 reads forwards
+  for before, after in zip(windows, windows[1:]):
+    len_a = int(np.sum(before["segment_ids"] == 0)) - reuse - 1
+    assert len_a >= 1 and before["input_ids"][reuse + len_a] == sep, "A ends with SEP"
+    shared = min(reuse, len_a)
+    np.testing.assert_array_equal(after["input_ids"][:shared], before["input_ids"][reuse:reuse + shared])

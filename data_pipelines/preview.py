@@ -1,7 +1,7 @@
 """Prints a task's examples as the model sees them: after the objective, at fixed lengths.
 
-  python -m data_pipelines.inspect --task=demo_bert_mlm_nsp --num_examples=2
-  python -m data_pipelines.inspect --task=demo_albert_mlm_sop --format=jsonl \
+  python -m data_pipelines.preview --task=demo_bert_mlm_nsp --num_examples=2
+  python -m data_pipelines.preview --task=demo_albert_mlm_sop --format=jsonl \
       --feature_lengths=input_ids=512,masked_positions=76
 
 text: every feature's ids, plus the decoded text of token features (targets such as masked_ids
@@ -15,18 +15,7 @@ from typing import Dict, Optional
 import numpy as np
 from absl import app, flags
 
-from data_pipelines import tasks
-
-# Lengths used when --feature_lengths is omitted, by objective (task names are `<corpus>_<objective>`).
-DEFAULT_FEATURE_LENGTHS = {
-    "bert_mlm_nsp": {"input_ids": 128, "masked_positions": 20},
-    "albert_mlm_sop": {"input_ids": 128, "masked_positions": 20},
-    "bart_denoising": {"encoder_input_ids": 128, "decoder_input_ids": 128},
-    "t5_span_corruption": {"encoder_input_ids": 128, "decoder_input_ids": 32},
-    "xlnet_plm": {"input_ids": 128, "target_ids": 21},
-}
-# Token features that are prediction targets: the task's output_features list only the inputs.
-TARGET_TOKEN_FEATURES = ("masked_ids", "target_ids", "decoder_target_ids")
+from data_pipelines import features, tasks
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", None, "Registered task or mixture, e.g. demo_bert_mlm_nsp.")
@@ -34,7 +23,7 @@ flags.DEFINE_string("split", "train", "Dataset split.")
 flags.DEFINE_integer("num_examples", 3, "How many examples to print.")
 flags.DEFINE_enum("format", "text", ["text", "jsonl"], "Output format.")
 flags.DEFINE_integer("seed", 0, "Seed of the objective's randomness (pairing, masking).")
-flags.DEFINE_string("feature_lengths", None, "NAME=LENGTH,... (default: by the task's objective).")
+flags.DEFINE_string("feature_lengths", None, "NAME=LENGTH,... (default: small lengths for the task's objective).")
 
 
 def parse_feature_lengths(text: str) -> Dict[str, int]:
@@ -47,14 +36,7 @@ def parse_feature_lengths(text: str) -> Dict[str, int]:
   return lengths
 
 
-def default_feature_lengths(task_name: str) -> Dict[str, int]:
-  for objective, lengths in DEFAULT_FEATURE_LENGTHS.items():
-    if task_name.endswith(objective):
-      return dict(lengths)
-  raise ValueError(f"--task={task_name!r}: no default lengths for its objective; pass --feature_lengths=NAME=LENGTH,...")
-
-
-def describe(name: str, value: np.ndarray, vocabulary, token_features) -> str:
+def describe(name: str, value: np.ndarray, vocabulary, schema: features.Schema) -> str:
   """One feature as text lines; trailing zeros (padding) are counted rather than printed."""
   header = f"  {name} {value.dtype}{list(value.shape)}:"
   if value.ndim >= 2:  # e.g. perm_mask [length, length]: too big to print usefully
@@ -64,10 +46,10 @@ def describe(name: str, value: np.ndarray, vocabulary, token_features) -> str:
   kept = np.trim_zeros(value, "b")
   padding = f" + {value.size - kept.size} zeros" if kept.size < value.size else ""
   lines = [f"{header} {kept.tolist()}{padding}"]
-  if name in token_features:
+  if name in schema.token_features(features.INPUT_TOKENS):
     # The tokenizer itself, not vocabulary.decode: that stops at the first eos (BART's decoder starts with one).
     lines.append(f"    text: {vocabulary.tokenizer.decode_ids(kept.tolist())!r}")
-  elif name in TARGET_TOKEN_FEATURES:
+  elif name in schema.token_features(features.TARGET_TOKENS):
     lines.append(f"    pieces: {[vocabulary.tokenizer.id_to_piece(i) for i in kept.tolist()]}")
   return "\n".join(lines)
 
@@ -75,8 +57,11 @@ def describe(name: str, value: np.ndarray, vocabulary, token_features) -> str:
 def print_examples(task_name: str, split: str, num_examples: int, output_format: str, seed: int,
                    feature_lengths: Optional[Dict[str, int]] = None) -> None:
   task = tasks.get_task_or_mixture(task_name)
-  lengths = feature_lengths or default_feature_lengths(task_name)
-  vocabulary = next(iter(task.output_features.values())).vocabulary
+  objective = tasks.objective_of(task)
+  schema = features.schema(objective)
+  lengths = feature_lengths or dict(schema.default_lengths)
+  schema.check_lengths(objective, lengths)
+  vocabulary = tasks.vocabulary(task)
   dataset = tasks.get_dataset(task, lengths, split=split, shuffle=False, seed=seed, num_epochs=1)
   for index, example in enumerate(dataset.take(num_examples).as_numpy_iterator()):
     if output_format == "jsonl":
@@ -84,21 +69,19 @@ def print_examples(task_name: str, split: str, num_examples: int, output_format:
     else:
       print(f"example {index}")
       for name, value in example.items():
-        print(describe(name, np.asarray(value), vocabulary, task.output_features))
+        print(describe(name, np.asarray(value), vocabulary, schema))
 
 
 def main(argv):
   if len(argv) > 1:
-    sys.exit(f"inspect: error: unexpected arguments {argv[1:]}")
+    sys.exit(f"preview: error: unexpected arguments {argv[1:]}")
   try:
     if not FLAGS.task:
       raise ValueError("--task is required, e.g. --task=demo_bert_mlm_nsp")
     lengths = parse_feature_lengths(FLAGS.feature_lengths) if FLAGS.feature_lengths else None
     print_examples(FLAGS.task, FLAGS.split, FLAGS.num_examples, FLAGS.format, FLAGS.seed, lengths)
-  except (ValueError, FileNotFoundError) as error:  # user errors: one line, no traceback
-    sys.exit(f"inspect: error: {str(error).strip().splitlines()[0]}")
-  except KeyError as error:  # the objective read a length that --feature_lengths lacks
-    sys.exit(f"inspect: error: --feature_lengths has no length for {error}")
+  except (ValueError, FileNotFoundError) as error:  # bad flags, an unknown task, a missing file: one line
+    sys.exit(f"preview: error: {str(error).strip().splitlines()[0]}")
 
 
 if __name__ == "__main__":

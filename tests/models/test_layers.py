@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import layers
 from models.albert import AlbertConfig
 from models.bart import BartConfig
 from models.bert import BertConfig
 from models.xlnet import XLNetConfig
-from models import layers
 from pretrain import optimizers, registry
 from pretrain.hf_mappings.common import flatten_params, unflatten_params
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from helpers import assert_rate, map_examples, restored, run_module, seeds
 from data_pipelines import sources, tasks
 from data_pipelines.objectives import mlm, nsp_sop
-from helpers import assert_rate, map_examples, restored, run_module, seeds
 
 CLS, SEP, MASK, FIRST_NORMAL = 4, 5, 6, 7
 LENGTHS = {"input_ids": 128, "masked_positions": 20}
@@ -157,7 +157,7 @@ def test_masking_is_deterministic_per_seed():
   first, again = map_examples(masked, elements), map_examples(masked, elements)
   other_seeds = dict(elements, seed=elements["seed"] + [0, 1])
   other = map_examples(masked, other_seeds)
-  for a, b, c in zip(first, again, other):
+  for a, b in zip(first, again):
     for name in a:
       np.testing.assert_array_equal(a[name], b[name])
   assert sum(not np.array_equal(a["masked_positions"], c["masked_positions"]) for a, c in zip(first, other)) > 40
@@ -326,8 +326,8 @@ def test_sop_labels_are_balanced_and_swap_consecutive_segments(tmp_path, demo_pa
     assert consecutive(b + a if label == 1 else a + b), f"label {label}: {a} {b}"
 
 
-def test_inspect_writes_jsonl_with_every_feature():
-  result = run_module("data_pipelines.inspect", "--task=demo_bert_mlm_nsp", "--num_examples=3", "--format=jsonl",
+def test_preview_writes_jsonl_with_every_feature():
+  result = run_module("data_pipelines.preview", "--task=demo_bert_mlm_nsp", "--num_examples=3", "--format=jsonl",
                       "--seed=2", timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
   rows = [json.loads(line) for line in result.stdout.splitlines()]

@@ -112,7 +112,8 @@ def test_bfloat16_export_stores_bf16_close_to_fp32(bert_dir, tmp_path):
   export.export(str(bert_dir), str(tmp_path / "fp32"))
   summary = export.export(str(bert_dir), str(tmp_path / "bf16"), dtype="bfloat16")
   assert max(summary["max_logit_diff"].values()) < export.TOLERANCE  # same bf16 weights on both sides
-  fp32, bf16 = load_file(str(tmp_path / "fp32" / "model.safetensors")), load_file(str(tmp_path / "bf16" / "model.safetensors"))
+  fp32, bf16 = load_file(str(tmp_path / "fp32" / "model.safetensors")), load_file(
+      str(tmp_path / "bf16" / "model.safetensors"))
   assert {t.dtype for t in bf16.values()} == {torch.bfloat16}
   for key, value in fp32.items():  # 8 significant bits, rounded to nearest: relative error at most 2^-8
     np.testing.assert_allclose(bf16[key].float().numpy(), value.numpy(), rtol=2.0 ** -8, atol=0)
@@ -122,7 +123,7 @@ def test_round_trip_is_bit_exact_and_training_continues_from_imported_weights(be
   export.export(str(bert_dir), str(tmp_path / "hf"))
   import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
   export.export(str(tmp_path / "imported"), str(tmp_path / "again"))
-  first, again = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+  first, again = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("hf", "again"))
   assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
   assert (tmp_path / "imported" / "vocab.model").read_bytes() == (bert_dir / "vocab.model").read_bytes()
 
@@ -151,7 +152,7 @@ def test_imported_weights_continue_with_scanned_layers_and_export_the_same(bert_
   # The export of the scanned checkpoint is checked against the scanned model and holds the same weights.
   summary = export.export(str(imported), str(tmp_path / "again"))
   assert max(summary["max_logit_diff"].values()) < export.TOLERANCE
-  first, again = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+  first, again = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("hf", "again"))
   assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
   # Resuming with the other layout would restore an optimizer state of the wrong shape: refused.
@@ -176,7 +177,7 @@ def test_family_trains_exports_and_round_trips(family, tmp_path, demo_paths):
   assert tokenizer.padding_side == padding_side
   import_hf.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
   export.export(str(tmp_path / "imported"), str(tmp_path / "again"))
-  first, again = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "again" / "model.safetensors"))
+  first, again = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("hf", "again"))
   assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
@@ -214,7 +215,8 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
   (root / "taken").mkdir()
   (root / "taken" / "keep.txt").write_text("mine")
   (root / "gpt2_hf").mkdir()
-  (root / "gpt2_hf" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+  gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+  (root / "gpt2_hf" / "config.json").write_text(json.dumps(gpt2))
   small_bert = {"family": "bert", "model_config": {"vocab_size": 100, "hidden_size": 8, "num_layers": 1,
                                                     "num_heads": 1, "mlp_dim": 8}, "vocab_model": "vocab.model"}
   gpt = fake_checkpoint(root / "gpt", {**small_bert, "family": "gpt2"}, demo_paths["vocab_model"])

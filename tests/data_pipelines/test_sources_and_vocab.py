@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from data_pipelines import sources, tasks, vocab
 from helpers import assert_rate, restored, run_module, train
+from data_pipelines import sources, tasks, vocab
 
 LENGTHS = {"input_ids": 128, "masked_positions": 20}  # articles below are shorter: label-0 pairs stay whole
 CLS, SEP = 4, 5
@@ -20,7 +20,8 @@ def documents(pattern, setting="TRAIN_FILES"):
 
 
 def examples(task_name):
-  dataset = tasks.get_task_or_mixture(task_name).get_dataset(LENGTHS, split="train", shuffle=False, num_epochs=1, seed=0)
+  dataset = tasks.get_task_or_mixture(task_name).get_dataset(LENGTHS, split="train", shuffle=False, num_epochs=1,
+                                                             seed=0)
   return list(dataset.as_numpy_iterator())
 
 
@@ -49,7 +50,8 @@ def test_glob_matching_nothing_names_the_setting_and_pattern(tmp_path, demo_path
 
 
 def test_blank_and_whitespace_only_lines_separate_documents(tmp_path):
-  (tmp_path / "a.txt").write_bytes(b"One a.\nOne b.\n\nTwo.\n   \t\nThree.\r\n\r\nFour.\n\n\n\n  Five a.\n Five b. \n \n")
+  (tmp_path /
+   "a.txt").write_bytes(b"One a.\nOne b.\n\nTwo.\n   \t\nThree.\r\n\r\nFour.\n\n\n\n  Five a.\n Five b. \n \n")
   docs = documents(str(tmp_path / "a.txt"))
   assert [[line.strip() for line in d.split("\n")] for d in docs] == [
       ["One a.", "One b."], ["Two."], ["Three."], ["Four."], ["Five a.", "Five b."]]
@@ -157,7 +159,7 @@ def test_tfds_dataset_on_disk_yields_valid_examples(tiny_wiki_dir, demo_paths, d
 def test_a_run_trains_from_tfds_through_the_gin_switch(tiny_wiki_dir, demo_paths, tmp_path):
   summary = train("bert_tiny_demo", tmp_path, 2, [
       *TINY_RUN, "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'",
-      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'"], gin_files=["gin_configs/objectives/tfds_source.gin"])
+      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'"], gin_files=["gin_configs/data/tfds.gin"])
   assert np.isfinite(summary["last_loss"])
   assert (tmp_path / "checkpoints" / "2").exists()
 
@@ -168,7 +170,8 @@ CHAPTER_WORDS = ("Chapter", "sailors", "Storms", "ship")  # every sentence of ch
 
 def chapter(i):
   """A book-like document: a sentence per line, none of the articles' words."""
-  return f"Chapter {i} opens at sea.\nThe sailors sing all night.\nStorms come from the west.\nThe ship reaches port {i}."
+  return (f"Chapter {i} opens at sea.\nThe sailors sing all night.\nStorms come from the west.\n"
+          f"The ship reaches port {i}.")
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +190,8 @@ def wiki_and_books(tiny_wiki_dir, books_file, vocab_model, rates):
 def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_dir, books_file, demo_paths,
                                                                       demo_vocab):
   from data_pipelines.input_pipeline import InputPipeline
-  from pretrain.families.bert import BertFamily
   from models.bert import BertConfig
+  from pretrain.families.bert import BertFamily
   name = wiki_and_books(tiny_wiki_dir, books_file, demo_paths["vocab_model"], rates=[3, 1])
   shapes = BertFamily(BertConfig()).feature_shapes(1, LENGTHS)
   batch_size, batches, shards = 20, 100, 2
@@ -211,6 +214,7 @@ def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_
 
 def test_a_mixtures_iterator_resumes_exactly_from_its_checkpoint(tiny_wiki_dir, books_file, demo_paths, tmp_path):
   import tensorflow as tf
+
   from data_pipelines.input_pipeline import InputPipeline
   name = wiki_and_books(tiny_wiki_dir, books_file, demo_paths["vocab_model"], rates=[3, 1])
   pipeline = InputPipeline(name, LENGTHS, 8, {"input_ids": ((LENGTHS["input_ids"],), tf.int32)}, num_data_shards=2,
@@ -243,7 +247,7 @@ def test_xlnet_streams_cannot_be_mixed_by_example(demo_paths):
 def test_a_run_trains_from_wikipedia_and_books_through_the_gin_file(tiny_wiki_dir, books_file, demo_paths, tmp_path):
   summary = train("bert_tiny_demo", tmp_path, 2, [
       *TINY_RUN, "TFDS_NAME = 'tiny_wiki:1.0.0'", f"TFDS_DATA_DIR = '{tiny_wiki_dir}'", f"BOOKS_FILES = '{books_file}'",
-      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'"], gin_files=["gin_configs/objectives/wikipedia_books.gin"])
+      f"VOCAB_MODEL = '{demo_paths['vocab_model']}'"], gin_files=["gin_configs/data/wikipedia_books.gin"])
   assert np.isfinite(summary["last_loss"])
   assert (tmp_path / "checkpoints" / "2").exists()
 
@@ -281,7 +285,8 @@ def test_a_pipeline_warns_when_its_shards_reread_a_few_files(tmp_path, demo_path
   monkeypatch.setattr(input_pipeline, "REREAD_WARNING_BYTES", 0)
   (tmp_path / "one").mkdir()
   (tmp_path / "one" / "a.txt").write_text(chapter(0) + "\n\n" + chapter(1) + "\n")
-  name = tasks.text_task("bert_mlm_nsp", train_files=str(tmp_path / "one" / "*.txt"), vocab_model=demo_paths["vocab_model"])
+  name = tasks.text_task("bert_mlm_nsp", train_files=str(tmp_path / "one" / "*.txt"),
+                         vocab_model=demo_paths["vocab_model"])
   input_pipeline.InputPipeline(name, LENGTHS, 4, {}, num_data_shards=4, process_index=0, process_count=1)
   warning = capsys.readouterr().out
   assert "reads 1 file(s)" in warning and "python -m data_pipelines.split_text --num_files=4" in warning

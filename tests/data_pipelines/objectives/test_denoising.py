@@ -13,8 +13,8 @@ import seqio
 import tensorflow as tf
 from scipy import stats
 
-from data_pipelines.objectives import denoising, documents, span_corruption
 from helpers import assert_rate, map_examples, seeds
+from data_pipelines.objectives import denoising, documents, span_corruption
 
 MASK, EOS, BOS = 6, 1, 3
 OFFSET = 10

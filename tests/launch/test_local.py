@@ -5,15 +5,12 @@ import time
 from helpers import run_module
 
 JOIN_AND_GATHER = """
-import os
 import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
-from launch import local
+from pretrain import distributed
 
-jax.distributed.initialize(coordinator_address=os.environ[local.COORDINATOR_ADDRESS_ENV],
-                           num_processes=int(os.environ[local.NUM_PROCESSES_ENV]),
-                           process_id=int(os.environ[local.PROCESS_ID_ENV]))
+distributed.initialize()
 assert jax.device_count() == 4 and jax.local_device_count() == 2 and jax.process_count() == 2
 gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))
 print("gathered", gathered.ravel().tolist(), "on", jax.process_index(), flush=True)
@@ -39,7 +36,7 @@ def test_a_childs_stdout_lines_stay_whole_while_its_stderr_is_written_piecewise(
   done = launch_local("--num_processes=2", "--", sys.executable, "-c", script)
   assert done.returncode == 0, done.stderr
   for i in range(2):
-    assert [l for l in done.stdout.splitlines() if l.startswith(f"[process {i}]")] == [
+    assert [line for line in done.stdout.splitlines() if line.startswith(f"[process {i}]")] == [
         f"[process {i}] out line {n}" for n in range(50)]
     assert done.stderr.splitlines().count(f"[process {i}] log piece") == 50
 

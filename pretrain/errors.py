@@ -1,0 +1,27 @@
+"""What a user causes is a ConfigError; anything else is a bug, and keeps its traceback.
+
+The entry points print a ConfigError (or a missing file) as one line and exit non-zero. `models/`
+and `data_pipelines/` know nothing of this module and reject bad settings with ValueError; pretrain
+turns those into ConfigErrors only where it hands them the user's settings (`user_settings`), so
+that a ValueError from a bug anywhere else still surfaces as one.
+"""
+import contextlib
+
+
+class ConfigError(ValueError):
+  """A setting, file or argument the user gave is wrong; the message names it, in one line."""
+
+
+# Missing or unreadable paths are the user's to fix too (a checkpoint directory, a vocabulary file).
+USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+@contextlib.contextmanager
+def user_settings():
+  """A ValueError raised inside the block rejected a value the user set: re-raise it as a ConfigError."""
+  try:
+    yield
+  except ConfigError:
+    raise
+  except ValueError as e:
+    raise ConfigError(str(e)) from e

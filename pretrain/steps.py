@@ -1,0 +1,200 @@
+"""The train state, its shardings and the jitted steps (gradient accumulation included).
+
+`make_setup` derives everything about a run that does not change from step to step from a family
+fitted to its data, the batch, the mesh and the optimizer. `pretrain.trainer` runs its steps and
+`pretrain.plan` compiles the same ones for a TPU topology, so the plan's figures are the training
+step's.
+"""
+import dataclasses
+from typing import Any, Dict, Mapping, Optional
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec
+
+from pretrain import partitioning
+from pretrain.errors import ConfigError
+from pretrain.families.base import Family, weight_totals
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  rng: jax.Array
+  carry: Any  # state a family carries across steps (XLNet memory); {} otherwise
+
+
+@dataclasses.dataclass
+class Setup:
+  """Everything about a run that does not change from step to step."""
+  family: Family
+  model: nn.Module
+  optimizer: optax.GradientTransformation
+  schedule: optax.Schedule
+  mesh: Any
+  rules: tuple
+  state_shardings: TrainState
+  batch_shapes: Dict[str, jax.ShapeDtypeStruct]
+  microbatches: int = 1
+
+  def abstract_state(self) -> TrainState:
+    return jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
+
+  def sharded_abstract_state(self) -> TrainState:
+    """Shapes, dtypes and shardings of the state: what restore and ahead-of-time compilation need."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_state(),
+                        self.state_shardings)
+
+  def init_state(self, rng) -> TrainState:
+    params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
+    example = example_batch(self.family, self.batch_shapes)
+    params = nn.unbox(self.model.init({"params": params_rng, "dropout": dropout_rng}, example)["params"])
+    return self.state_around(params, state_rng)
+
+  def state_around(self, params, rng) -> TrainState:
+    """Step 0 with these params: a fresh optimizer state and carry."""
+    batch_size = next(iter(self.batch_shapes.values())).shape[0]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params), rng=rng,
+                      carry=self.family.initial_carry(batch_size))
+
+
+def example_batch(family: Family, batch_shapes: Mapping[str, jax.ShapeDtypeStruct]) -> Dict[str, jax.Array]:
+  """A batch of zeros with the family's example_rows: what initialises the params."""
+  return {k: jnp.zeros((family.example_rows(),) + s.shape[1:], s.dtype) for k, s in batch_shapes.items()}
+
+
+def resolve_microbatches(batch_size: int, groups: int, microbatches: int,
+                         microbatch_rows_per_group: Optional[int]) -> int:
+  """MICROBATCHES, or the number that gives each data-parallel group MICROBATCH_ROWS_PER_GROUP rows at a time."""
+  if microbatch_rows_per_group is None:
+    return microbatches
+  if microbatches != 1:
+    raise ConfigError(f"MICROBATCHES={microbatches} and MICROBATCH_ROWS_PER_GROUP={microbatch_rows_per_group}: "
+                      "set one of them")
+  if microbatch_rows_per_group < 1 or batch_size % (groups * microbatch_rows_per_group):
+    raise ConfigError(f"MICROBATCH_ROWS_PER_GROUP={microbatch_rows_per_group} does not divide the "
+                      f"{batch_size / groups:g} rows that each of the mesh's {groups} data-parallel groups gets from "
+                      f"BATCH_SIZE={batch_size}")
+  return batch_size // (groups * microbatch_rows_per_group)
+
+
+def make_setup(family: Family, feature_lengths: Mapping[str, int], batch_size: int, mesh,
+               optimizer: optax.GradientTransformation, schedule: optax.Schedule, microbatches: int = 1,
+               microbatch_rows_per_group: Optional[int] = None) -> Setup:
+  """The Setup of a run whose family is fitted to its data (`Family.fit_to_data`); reads no data.
+
+  Every sharding follows from the model's logical axis names and `partitioning.AXIS_RULES`.
+  """
+  groups = partitioning.data_parallel_groups(mesh)
+  microbatches = resolve_microbatches(batch_size, groups, microbatches, microbatch_rows_per_group)
+  if batch_size % (microbatches * groups):
+    raise ConfigError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches} × the mesh's "
+                      f"{groups} data-parallel groups")
+  family.check_microbatch_rows(batch_size // (microbatches * groups))
+  rules = partitioning.AXIS_RULES
+  model = family.make_model()
+  batch_shapes = family.feature_shapes(batch_size, feature_lengths)
+  boxed = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)},
+                                            example_batch(family, batch_shapes)))["params"]
+  param_shardings = partitioning.logical_shardings(nn.get_partition_spec(boxed), mesh, rules)
+  replicated = partitioning.replicated(mesh)
+  abstract_opt = jax.eval_shape(optimizer.init, nn.unbox(boxed))
+  opt_shardings = optax.tree_map_params(optimizer, lambda _, sharding: sharding, abstract_opt, param_shardings,
+                                        transform_non_params=lambda _: replicated)
+  carry_shardings = partitioning.logical_shardings(
+      {k: PartitionSpec(*axes) for k, axes in family.carry_axes().items()}, mesh, rules)
+  state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated,
+                               carry=carry_shardings)
+  return Setup(family, model, optimizer, schedule, mesh, rules, state_shardings, batch_shapes, microbatches)
+
+
+def tokens_per_batch(batch_size: int, feature_lengths: Mapping[str, int]) -> int:
+  """Input tokens of a global batch (encoder and decoder inputs for encoder-decoder families)."""
+  return batch_size * sum(v for k, v in feature_lengths.items() if k.endswith("input_ids"))
+
+
+def _loss_and_grads(setup: Setup, params, batch, carry, rng, totals=None):
+  def loss_fn(p):
+    outputs, new_carry = setup.family.forward(setup.model, p, batch, carry, rngs={"dropout": rng}, deterministic=False)
+    loss, metrics = setup.family.loss_and_metrics(outputs, batch, totals)
+    return loss, (metrics, new_carry)
+
+  (loss, (metrics, new_carry)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  return loss, metrics, new_carry, grads
+
+
+def _split_microbatches(x, n: int, groups: int):
+  """[B, ...] -> [n, B / n, ...]: microbatch k is the k-th of n equal runs of rows of every data-parallel group.
+
+  Every device keeps its own rows, so the scan runs over an unsharded axis and nothing moves. (Cutting
+  the batch into n contiguous blocks puts each microbatch on a few devices; the SPMD partitioner then
+  computes each device's whole local batch in every iteration, n times the work and more memory.)
+  """
+  return x.reshape((groups, n, -1) + x.shape[1:]).swapaxes(0, 1).reshape((n, -1) + x.shape[1:])
+
+
+def _merge_microbatches(x, groups: int):
+  """The inverse of _split_microbatches."""
+  return x.reshape((x.shape[0], groups, -1) + x.shape[2:]).swapaxes(0, 1).reshape((-1,) + x.shape[2:])
+
+
+def _accumulated_loss_and_grads(setup: Setup, params, batch, carry, rng):
+  """Gradient accumulation: the batch is split into `microbatches` slices scanned in sequence.
+
+  Each slice keeps its own rows' carry, so memory-carrying families see the same rows every step.
+  Weighted losses divide by the whole batch's weights (over n), so the mean over slices is exactly
+  the plain step's loss even when slices hold different numbers of predicted positions.
+  """
+  n, groups = setup.microbatches, partitioning.data_parallel_groups(setup.mesh)
+  totals = {k: v / n for k, v in weight_totals(batch).items()}
+  split = lambda x: _split_microbatches(x, n, groups)
+  micro_batches = jax.tree.map(split, batch)
+  micro_carry = jax.tree.map(split, carry)
+
+  def body(grad_sum, inputs):
+    micro_batch, micro_carry_in, index = inputs
+    loss, metrics, new_carry, grads = _loss_and_grads(setup, params, micro_batch, micro_carry_in,
+                                                      jax.random.fold_in(rng, index), totals)
+    return jax.tree.map(jnp.add, grad_sum, grads), (loss, metrics, new_carry)
+
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  grad_sum, (losses, metrics, new_carry) = jax.lax.scan(body, zeros, (micro_batches, micro_carry, jnp.arange(n)))
+  return (losses.mean(), jax.tree.map(jnp.mean, metrics),
+          jax.tree.map(lambda x: _merge_microbatches(x, groups), new_carry),
+          jax.tree.map(lambda g: g / n, grad_sum))
+
+
+def train_step(setup: Setup, state: TrainState, batch) -> tuple:
+  rng = jax.random.fold_in(state.rng, state.step)
+  compute = _accumulated_loss_and_grads if setup.microbatches > 1 else _loss_and_grads
+  loss, metrics, carry, grads = compute(setup, state.params, batch, state.carry, rng)
+  updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
+             "learning_rate": setup.schedule(state.step)}
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, carry=carry), metrics
+
+
+def eval_step(setup: Setup, params, batch) -> Dict[str, jax.Array]:
+  batch_size = next(iter(batch.values())).shape[0]
+  outputs, _ = setup.family.forward(setup.model, params, batch, setup.family.initial_carry(batch_size), rngs={},
+                                    deterministic=True)
+  loss, metrics = setup.family.loss_and_metrics(outputs, batch)
+  return {**metrics, "loss": loss}
+
+
+def jit_train_step(setup: Setup):
+  batch_shardings = {k: partitioning.batch_sharding(setup.mesh) for k in setup.batch_shapes}
+  replicated = partitioning.replicated(setup.mesh)
+  return jax.jit(lambda state, batch: train_step(setup, state, batch),
+                 in_shardings=(setup.state_shardings, batch_shardings),
+                 out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
+
+
+def jit_eval_step(setup: Setup):
+  return jax.jit(lambda params, batch: eval_step(setup, params, batch))

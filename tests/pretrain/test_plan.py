@@ -1,0 +1,112 @@
+"""pretrain.plan compiles the training step for a TPU topology and reports sane figures; a step too big
+for the chip exits with the compiler's out-of-memory line."""
+import re
+
+import pytest
+
+from helpers import run_module
+
+RUN = "gin_configs/runs/bert_tiny_demo.gin"
+V3_USABLE_GIB = 15.48  # per TensorCore, the compiler's own limit (its out-of-memory message)
+
+
+def run_plan(*args, run=RUN):
+  return run_module("pretrain.plan", f"--gin_file={run}", "--topology=v3:2x2", *args, timeout=300)
+
+
+def figure(pattern, text):
+  match = re.search(pattern, text)
+  assert match, f"{pattern!r} not in:\n{text}"
+  return [float(g) for g in match.groups()]
+
+
+def bert_forward_matmul_flops(batch, length, predictions, hidden, layers, mlp, vocab):
+  """Forward matmuls of BERT pretraining, from the architecture (Devlin et al. 2018)."""
+  tokens = batch * length
+  per_layer = (2 * tokens * hidden * 3 * hidden  # Q, K, V projections
+               + 2 * tokens * length * hidden * 2  # scores and the weighted sum of values, all heads
+               + 2 * tokens * hidden * hidden  # attention output projection
+               + 2 * tokens * hidden * mlp * 2)  # feed-forward in and out
+  pooler_and_nsp = 2 * batch * hidden * hidden + 2 * batch * hidden * 2
+  mlm = 2 * batch * predictions * (hidden * hidden + hidden * vocab)  # transform, then tied output projection
+  return layers * per_layer + pooler_and_nsp + mlm
+
+
+TINY_PLAN = ("--gin.MESH_SHAPE={'data': 4, 'model': 2}", "--gin.MICROBATCHES=2",
+             "--gin.bert.BertConfig.vocab_size=2048")
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+  result = run_plan(*TINY_PLAN)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def test_plan_of_a_tiny_bert_on_a_v3_8_fits_with_sane_figures(tiny_plan):
+  out = tiny_plan
+  assert "8 devices (TPU v3)" in out and "microbatches 2" in out, out
+  total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", out)
+  assert 0 < total < limit and limit == V3_USABLE_GIB
+  arguments, = figure(r"arguments ([\d.]+) GiB", out)
+  assert arguments <= total
+  compiled, = figure(r"compiled FLOPs per device per step: ([\d.e+]+)", out)
+  model, per_device, per_token = figure(
+      r"model FLOPs per step: ([\d.e+]+) = ([\d.e+]+) per device = ([\d.e+]+) per token", out)
+  # Defaults of bert_tiny_demo.gin: batch 32, length 128, 20 predictions, 2 layers of 128, FFN 512.
+  expected = 3 * bert_forward_matmul_flops(32, 128, 20, 128, 2, 512, 2048)
+  assert model == pytest.approx(expected, rel=1e-3)
+  assert per_device == pytest.approx(expected / 8, rel=1e-3) and per_token == pytest.approx(expected / 4096, rel=1e-3)
+  # The compiler's count holds every matmul plus elementwise and optimizer work; counting the
+  # microbatch loop's body once more (or once less) than it runs would double (or halve) it.
+  assert per_device < compiled < 2 * per_device
+  step, mfu = figure(r"step >= ([\d.e+-]+) s, MFU <= ([\d.]+)%", out)
+  assert step > 0 and 0 < mfu <= 100
+
+
+def test_scanned_layers_are_costed_as_if_unrolled(tiny_plan):
+  # XLA counts a scanned stack's body once: with 2 layers, reading its figure as is would halve them.
+  result = run_plan(*TINY_PLAN, "--gin.bert.BertConfig.scan_layers=True")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "scanned layers" in result.stdout
+  for pattern in (r"compiled FLOPs per device per step: ([\d.e+]+)",
+                  r"HBM bytes accessed per device per step: ([\d.e+]+)",
+                  r"model FLOPs per step: ([\d.e+]+)"):
+    assert figure(pattern, result.stdout) == pytest.approx(figure(pattern, tiny_plan), rel=0.02), pattern
+  total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", result.stdout)
+  assert 0 < total < limit
+
+
+def test_a_step_too_big_for_the_chip_exits_with_the_compilers_out_of_memory_line():
+  # A 4M-piece vocabulary: its embedding and Adam moments alone exceed a v3 core's HBM.
+  result = run_plan("--gin.MESH_SHAPE={'data': 4, 'model': 2}", "--gin.bert.BertConfig.vocab_size=4000000",
+                    "--gin.bert.BertConfig.hidden_size=1024")
+  assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("pretrain.plan: does not fit: RESOURCE_EXHAUSTED") and "Ran out of memory" in last, last
+  assert f"{V3_USABLE_GIB}G" in last
+
+
+def test_two_slices_put_the_replica_axis_across_them():
+  result = run_plan("--num_slices=2", "--gin.MESH_SHAPE={'replica': 2, 'data': 4, 'model': 2}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "x 2 slice(s) = 16 devices" in result.stdout and "'replica': 2" in result.stdout
+  total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", result.stdout)
+  assert 0 < total < limit
+
+
+def test_an_unknown_topology_name_fails_with_one_line():
+  result = run_plan("--topology=v3-512")
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith("pretrain.plan: error: --topology='v3-512'")
+
+
+def test_a_model_that_takes_its_vocabulary_size_from_an_encoder_decoder_task_plans():
+  # BART's tasks have encoder and decoder token features, no `input_ids`, and bart_tiny leaves vocab_size unset.
+  result = run_plan("--gin.MESH_SHAPE={'data': 8}", "--gin.BATCH_SIZE=8",
+                    "--gin.TASK_FEATURE_LENGTHS={'encoder_input_ids': 32, 'decoder_input_ids': 32}",
+                    run="gin_configs/runs/bart_tiny_demo.gin")
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "run: bart," in result.stdout
+  total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", result.stdout)
+  assert 0 < total < limit

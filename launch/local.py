@@ -18,16 +18,14 @@ Ctrl-C terminates all children.
 """
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 
-from pretrain.distributed import (COORDINATOR_ADDRESS_ENV, COORDINATOR_BIND_ADDRESS_ENV, NUM_PROCESSES_ENV,
-                                  PROCESS_ID_ENV)
+from pretrain.distributed import (COORDINATOR_ADDRESS_ENV, COORDINATOR_BIND_ADDRESS_ENV, LOOPBACK,
+                                  NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port)
 
-HOST = "127.0.0.1"
 _TERMINATE_GRACE_SECONDS = 5
 
 
@@ -56,19 +54,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   return args, command
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind((HOST, 0))
-    return s.getsockname()[1]
-
-
 def child_env(process_id: int, num_processes: int, devices_per_process: int, port: int) -> dict[str, str]:
   env = dict(os.environ)
   # Keep any XLA flags the user set; ours only adds the host device count.
   xla_flags = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices_per_process}"
   env.update({
-      COORDINATOR_ADDRESS_ENV: f"{HOST}:{port}",
-      COORDINATOR_BIND_ADDRESS_ENV: f"{HOST}:{port}",
+      COORDINATOR_ADDRESS_ENV: f"{LOOPBACK}:{port}",
+      COORDINATOR_BIND_ADDRESS_ENV: f"{LOOPBACK}:{port}",
       NUM_PROCESSES_ENV: str(num_processes),
       PROCESS_ID_ENV: str(process_id),
       "JAX_PLATFORMS": "cpu",

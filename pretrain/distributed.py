@@ -1,18 +1,31 @@
 """Joining a multi-process JAX job: the environment a launcher sets, and the call each process makes.
 
 `launch.local` starts N processes on this machine with these variables; on a multi-host TPU slice
-the TPU runtime tells JAX its peers and no variable is needed.
+the TPU runtime tells JAX its peers and no variable is needed. A single process joins a job of its
+own on loopback: JAX's preemption service, which turns a SIGTERM into an agreed step to checkpoint
+(`multihost_utils.reached_preemption_sync_point`), runs only inside a job.
 """
 import os
+import socket
 
 COORDINATOR_ADDRESS_ENV = "JAX_COORDINATOR_ADDRESS"
 COORDINATOR_BIND_ADDRESS_ENV = "JAX_COORDINATOR_BIND_ADDRESS"  # read by jax.distributed.initialize itself
 NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_PROCESS_ID"
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind((LOOPBACK, 0))
+    return s.getsockname()[1]
 
 
 def initialize() -> None:
-  """Joins the job this process was launched into, if any (launch.local, or a TPU pod slice)."""
+  """Joins the job this process was launched into (launch.local, a TPU pod slice), or a job of its own.
+
+  Call it first thing in a program, before anything uses JAX.
+  """
   import jax
 
   if COORDINATOR_ADDRESS_ENV in os.environ:
@@ -21,3 +34,7 @@ def initialize() -> None:
                                process_id=int(os.environ[PROCESS_ID_ENV]))
   elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a multi-host TPU VM slice
     jax.distributed.initialize()
+  else:
+    address = f"{LOOPBACK}:{free_port()}"
+    jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address, num_processes=1,
+                               process_id=0)

@@ -1,6 +1,7 @@
 """What a user causes is a ConfigError; anything else is a bug, and keeps its traceback.
 
-The entry points print a ConfigError (or a missing file) as one line and exit non-zero. `models/`
+The entry points print a ConfigError (or a missing file, or a run that stopped itself) as one line
+and exit non-zero. `models/`
 and `data_pipelines/` know nothing of this module and reject bad settings with ValueError; pretrain
 turns those into ConfigErrors only where it hands them the user's settings (`user_settings`), so
 that a ValueError from a bug anywhere else still surfaces as one.
@@ -12,8 +13,12 @@ class ConfigError(ValueError):
   """A setting, file or argument the user gave is wrong; the message names it, in one line."""
 
 
+class TrainingStopped(Exception):
+  """The run stopped itself (its updates kept failing); the message says why and where to resume."""
+
+
 # Missing or unreadable paths are the user's to fix too (a checkpoint directory, a vocabulary file).
-USER_ERRORS = (ConfigError, FileNotFoundError, NotADirectoryError, PermissionError)
+USER_ERRORS = (ConfigError, TrainingStopped, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,8 @@ class MetricsWriter:
   def _progress_line(self, step: int, metrics: Mapping[str, float], split: str) -> str:
     shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()
                       if k.endswith(("loss", "accuracy")) or k == "loss")
+    if metrics.get("skipped_steps"):
+      shown += f"  skipped {int(metrics['skipped_steps'])} non-finite updates"
     if split != "train":
       return f"[eval]  step {step:>6d}  {shown}"
     started, first_step = self._start

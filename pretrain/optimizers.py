@@ -1,10 +1,17 @@
 """Optimizers from optax: AdamW (BERT, XLNet, BART recipes) or LAMB (ALBERT, large-batch BERT),
-linear warmup then linear decay, global-norm clipping, no weight decay on biases and LayerNorm."""
+linear warmup then linear decay, global-norm clipping, no weight decay on biases and LayerNorm.
+
+Every optimizer skips an update whose gradients are not finite (optax.apply_if_finite), so params
+never become NaN; the train loop counts the skips and stops a run that keeps making them.
+"""
 import jax
 import jax.numpy as jnp
 import optax
 
 from models import layers
+
+
+NEVER_GIVE_UP = 2**31 - 1
 
 
 def warmup_linear_decay(peak_learning_rate: float, warmup_steps: int, total_steps: int,
@@ -56,4 +63,13 @@ def make_optimizer(schedule: optax.Schedule, name: str = "adamw", weight_decay: 
                          scale_by_layerwise_trust_ratio(), optax.scale_by_learning_rate(schedule))
   else:
     raise ValueError(f"optimizers.make_optimizer.name={name!r}: expected 'adamw' or 'lamb'")
-  return optax.chain(optax.clip_by_global_norm(clip_norm), update) if clip_norm else update
+  clipped = optax.chain(optax.clip_by_global_norm(clip_norm), update) if clip_norm else update
+  # The loop decides when to give up (trainer.train's max_skipped_steps): optax's own limit would then
+  # apply a non-finite update, so it is set out of reach.
+  return optax.apply_if_finite(clipped, max_consecutive_errors=NEVER_GIVE_UP)
+
+
+def skipped_updates(opt_state) -> dict:
+  """How many updates were skipped for non-finite gradients: in all, and in a row up to now."""
+  return {"skipped_steps": optax.tree_utils.tree_get(opt_state, "total_notfinite"),
+          "skipped_in_a_row": optax.tree_utils.tree_get(opt_state, "notfinite_count")}

@@ -8,7 +8,7 @@ is its one writer and `read_run_config` its one reader. Params are stored as the
 scanned layer stacks (`scan_layers`) or unrolled ones; `in_layout` converts between the two.
 """
 import dataclasses
-from typing import Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +21,8 @@ from pretrain.errors import ConfigError
 from pretrain.families.base import Family
 
 VOCAB_FILE = "vocab.model"
+# Model settings a run may change when it resumes: how it computes, not what it computes.
+RESUMABLE_MODEL_CHANGES = ("dtype", "remat_policy", "dropout_rate", "attention_dropout", "activation_dropout")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +30,12 @@ class RunConfig:
   family: Family  # with its model config
   task: Optional[str] = None
   feature_lengths: Mapping[str, int] = dataclasses.field(default_factory=dict)
+  batch_size: Optional[int] = None
   imported_from: Optional[str] = None  # the HuggingFace directory of a `pretrain.import_hf` checkpoint
 
   def to_json(self) -> dict:
     data = {"family": self.family.name, "model_config": _as_json(self.family.config), "task": self.task,
-            "feature_lengths": dict(self.feature_lengths), "vocab_model": VOCAB_FILE}
+            "feature_lengths": dict(self.feature_lengths), "batch_size": self.batch_size, "vocab_model": VOCAB_FILE}
     return {**data, "imported_from": self.imported_from} if self.imported_from else data
 
   @classmethod
@@ -45,11 +48,20 @@ class RunConfig:
     if "dtype" in fields:
       fields["dtype"] = jnp.dtype(fields["dtype"])
     return cls(spec.family_cls(config=spec.config_cls(**fields)), data.get("task"), data.get("feature_lengths") or {},
-               data.get("imported_from"))
+               data.get("batch_size"), data.get("imported_from"))
 
-  @property
-  def scan_layers(self) -> bool:
-    return bool(getattr(self.family.config, "scan_layers", False))
+  def differences(self, now: "RunConfig") -> List[str]:
+    """The settings of `now` that a run resuming from this config may not change, as 'NAME: saved -> now'."""
+    saved_model, now_model = self.to_json()["model_config"], now.to_json()["model_config"]
+    pairs = [("family", self.family.name, now.family.name), ("MIXTURE_OR_TASK_NAME", self.task, now.task),
+             ("TASK_FEATURE_LENGTHS", dict(self.feature_lengths), dict(now.feature_lengths)),
+             ("BATCH_SIZE", self.batch_size, now.batch_size)]
+    if self.family.name == now.family.name:
+      prefix = f"{type(self.family.config).__name__}."
+      pairs += [(prefix + name, saved_model.get(name), now_model.get(name)) for name in now_model
+                if name not in RESUMABLE_MODEL_CHANGES]
+    return [f"{name}: {saved!r} -> {current!r}" for name, saved, current in pairs
+            if saved is not None and saved != current]
 
 
 def _as_json(value):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from pretrain import partitioning
+from pretrain import optimizers, partitioning
 from pretrain.errors import ConfigError
 from pretrain.families.base import Family, weight_totals
 
@@ -173,10 +173,13 @@ def train_step(setup: Setup, state: TrainState, batch) -> tuple:
   rng = jax.random.fold_in(state.rng, state.step)
   compute = _accumulated_loss_and_grads if setup.microbatches > 1 else _loss_and_grads
   loss, metrics, carry, grads = compute(setup, state.params, batch, state.carry, rng)
-  updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+  updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)  # skips non-finite ones
   params = optax.apply_updates(state.params, updates)
-  metrics = {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads),
-             "learning_rate": setup.schedule(state.step)}
+  grad_norm = optax.global_norm(grads)
+  # A skipped step also keeps the carry: XLNet's memory of a non-finite forward pass would poison the next.
+  carry = jax.tree.map(lambda new, old: jnp.where(jnp.isfinite(grad_norm), new, old), carry, state.carry)
+  metrics = {**metrics, "loss": loss, "grad_norm": grad_norm, "learning_rate": setup.schedule(state.step),
+             **optimizers.skipped_updates(opt_state)}
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state, carry=carry), metrics
 
 

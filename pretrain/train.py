@@ -17,16 +17,16 @@ def main(argv) -> None:
     raise ConfigError(f"unknown arguments {rest}; use --gin_file, --gin_bindings or --gin.KEY=VALUE")
   if not files:
     raise ConfigError("no --gin_file given, e.g. --gin_file=gin_configs/runs/bert_tiny_demo.gin")
-  distributed.initialize()
   cli.parse_gin(files, bindings)
   import jax
 
   from pretrain import trainer  # after gin parsing: imports are slow, errors above are not
   summary = trainer.train(**cli.bound_arguments(trainer.train))
-  if jax.process_index() == 0:
+  if jax.process_index() == 0 and not summary["preempted"]:
     print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
           f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}")
 
 
 if __name__ == "__main__":
+  distributed.initialize()
   cli.run("pretrain.train", lambda: main(sys.argv))

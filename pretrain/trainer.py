@@ -11,10 +11,11 @@ import jax
 import numpy as np
 import optax
 from etils import epath
+from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
 from pretrain import checkpoints, partitioning, run_files, steps
-from pretrain.errors import ConfigError, user_settings
+from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter
 
@@ -45,10 +46,10 @@ def input_pipeline_for_run(family: Family, mixture_or_task_name: str, task_featu
                                         **process)
 
 
-def restore_or_initialize(setup: steps.Setup, model_dir: str, manager, train_iterator,
-                          seed: int) -> Tuple[steps.TrainState, Optional[str]]:
+def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, model_dir: str, manager,
+                          train_iterator, seed: int) -> Tuple[steps.TrainState, Optional[str]]:
   """The state a run starts from, and how it was found (None: fresh):
-  - resume: the latest checkpoint, with the data iterator where it stopped;
+  - resume: the latest checkpoint, with the data iterator where it stopped, if `run_config` matches it;
   - imported weights (a weights-only checkpoint from pretrain.import_hf): a fresh state around them;
   - fresh: a new state from `seed`.
   """
@@ -67,9 +68,10 @@ def restore_or_initialize(setup: steps.Setup, model_dir: str, manager, train_ite
                           abstract, params)
     state = jax.jit(setup.state_around, out_shardings=setup.state_shardings)(params, jax.random.PRNGKey(seed))
     return state, f"starting from the weights in {where}: fresh optimizer, step 0"
-  if saved.scan_layers != scan_layers:
-    raise ConfigError(f"the checkpoints in {where} have scan_layers={saved.scan_layers}, this run sets "
-                      f"scan_layers={scan_layers}: resume with the setting they were saved with")
+  differences = saved.differences(run_config)
+  if differences:
+    raise ConfigError(f"this run does not match the checkpoint at step {latest} in {where} ({'; '.join(differences)}): "
+                      "resume with the checkpoint's settings, or train in a new MODEL_DIR")
   state = checkpoints.restore(manager, latest, setup.sharded_abstract_state(), train_iterator)
   return state, f"resumed from step {latest} in {where}"
 
@@ -78,18 +80,36 @@ def _mean_metrics(rows):
   return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
+def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, model_dir: str) -> None:
+  """Stops the run once `max_skipped_in_a_row` updates in a row were skipped for non-finite gradients."""
+  in_a_row = int(jax.device_get(metrics["skipped_in_a_row"]))
+  if in_a_row < max_skipped_in_a_row:
+    return
+  manager.wait_until_finished()
+  where = checkpoints.checkpoint_dir(model_dir)
+  raise TrainingStopped(
+      f"the gradients were not finite at {in_a_row} steps in a row, up to step {step}: stopping (the params stayed "
+      f"finite; the last checkpoint is step {manager.latest_step()} in {where}). Lower LEARNING_RATE or CLIP_NORM, "
+      "or raise WARMUP_STEPS, then resume")
+
+
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
           eval_every_steps: int = 1000, eval_steps: int = 10, keep_checkpoints: int = 3, seed: int = 0,
           microbatches: int = 1, microbatch_rows_per_group: Optional[int] = None, num_slices: int = 1,
-          data_shards: Optional[int] = None) -> Dict[str, Any]:
+          data_shards: Optional[int] = None, max_skipped_in_a_row: int = 10) -> Dict[str, Any]:
   """Trains until `train_steps`, resuming from the latest checkpoint in model_dir if there is one.
+
+  Faults: an update with non-finite gradients is skipped (and counted); `max_skipped_in_a_row` of them
+  stop the run. A preemption notice (SIGTERM) makes every process finish its step, save a checkpoint
+  at the step they agree on, and return; the same command resumes there.
 
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
   `data_shards`: how many seqio shards make up the global batch (default: one per process).
-  Returns a summary: first and last logged loss, steps run this call, checkpoint directory.
+  Returns a summary: first and last logged loss, the step reached, whether it was preempted, and
+  the checkpoint directory.
   """
   family = fitted_family(family, mixture_or_task_name, task_feature_lengths)
   mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
@@ -99,12 +119,12 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                                 partitioning.data_parallel_groups(mesh), seed, data_shards)
   epath.Path(model_dir).mkdir(parents=True, exist_ok=True)
   run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
-  run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths).to_json()
+  run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
   manager = checkpoints.make_manager(model_dir, keep_checkpoints)
   train_iterator = data.iterator("train")
 
   with mesh, nn.logical_axis_rules(setup.rules):
-    state, origin = restore_or_initialize(setup, model_dir, manager, train_iterator, seed)
+    state, origin = restore_or_initialize(setup, run_config, model_dir, manager, train_iterator, seed)
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
     if origin:
       writer.message(origin)
@@ -115,10 +135,13 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                    f"global batch {batch_size}, {jax.process_count()} process(es)")
 
     losses, step, window_start = [], int(state.step), time.time()
-    window_first_step = step
-    while step < train_steps:
+    window_first_step, previous, preempted = step, None, False
+    while step < train_steps and not preempted:
       state, metrics = step_fn(state, partitioning.global_batch(next(train_iterator), mesh))
       step += 1
+      if previous:  # the step before's count: reading it does not wait for the step just dispatched
+        _stop_if_diverging(step - 1, previous, max_skipped_in_a_row, manager, model_dir)
+      previous = metrics
       if step % log_every_steps == 0 or step == train_steps:
         metrics = jax.device_get(metrics)
         elapsed = time.time() - window_start
@@ -130,9 +153,16 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         rows = [jax.device_get(eval_fn(state.params, partitioning.global_batch(b, mesh)))
                 for b in data.take("validation", eval_steps)]
         writer.write(step, _mean_metrics(rows), split="eval")
-      if step % checkpoint_every_steps == 0 or step == train_steps:
-        checkpoints.save(manager, step, state, train_iterator, run_config)
+      # Every process calls this at every step; after a SIGTERM to any of them, all return True at one step.
+      preempted = multihost_utils.reached_preemption_sync_point(step)
+      if step % checkpoint_every_steps == 0 or step == train_steps or preempted:
+        checkpoints.save(manager, step, state, train_iterator, run_config.to_json())
+    if previous:
+      _stop_if_diverging(step, previous, max_skipped_in_a_row, manager, model_dir)
     manager.wait_until_finished()
+    if preempted:
+      writer.message(f"preempted: saved a checkpoint at step {step} in {checkpoints.checkpoint_dir(model_dir)}; "
+                     "the same command resumes there")
   writer.close()
   return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-          "steps": train_steps, "checkpoint_dir": str(checkpoints.checkpoint_dir(model_dir))}
+          "steps": step, "preempted": preempted, "checkpoint_dir": str(checkpoints.checkpoint_dir(model_dir))}

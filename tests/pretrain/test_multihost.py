@@ -1,7 +1,9 @@
 """Multi-process training on CPU (launch.local): two processes train like one at the same global batch,
-only process 0 reports, and after one process is killed both resume exactly from the last checkpoint.
+only process 0 reports; a preemption notice to one process makes both save the step they agree on and
+exit 0; after one process is killed both resume exactly from the last checkpoint.
 
-One two-process run serves both tests: it trains until process 1 is killed after step 10's checkpoint.
+One two-process run serves all the tests: it trains until process 1 gets SIGTERM, resumes, and trains
+on until process 1 is killed after the next periodic checkpoint.
 """
 import os
 import signal
@@ -15,7 +17,7 @@ import pytest
 from helpers import host_devices, logged_losses, module_command, run_module, start_module
 
 TRAIN_STEPS = 30
-KILL_AFTER_CHECKPOINT = 10
+PREEMPT_AFTER_STEP = 3
 # DATA_SHARDS=2 fixes the global batch's seqio shards, whatever the number of processes reading them.
 RUN = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_bindings=bert.BertConfig.hidden_size = 64",
        "--gin_bindings=bert.BertConfig.mlp_dim = 128",
@@ -74,27 +76,59 @@ def _finished_checkpoints(model_dir):
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
 
 
-@pytest.fixture(scope="module")
-def interrupted_run(tmp_path_factory):
-  """Two processes training TRAIN_STEPS steps until process 1 is killed after the checkpoint at step 10."""
-  model_dir = tmp_path_factory.mktemp("two_processes")
+def _preempted(model_dir):
+  """Two processes training until process 1 gets SIGTERM once process 0 has logged PREEMPT_AFTER_STEP."""
+  launcher = start_module("launch.local", *two_processes(model_dir, TRAIN_STEPS), stderr=subprocess.STDOUT)
+  lines, deadline = [], time.time() + 300
+  for line in launcher.stdout:
+    lines.append(line)
+    if line.startswith("[process 0] [") and f"step {PREEMPT_AFTER_STEP:>6d}/" in line:
+      os.kill(_child_with_process_id(launcher.pid, 1), signal.SIGTERM)
+      break
+    assert time.time() < deadline, "".join(lines[-20:])
+  output = "".join(lines) + launcher.communicate(timeout=120)[0]
+  return {"output": output, "returncode": launcher.returncode, "checkpoints": _finished_checkpoints(model_dir)}
+
+
+def _killed(model_dir, after_checkpoint: int):
+  """Two processes resuming, until process 1 is killed once a checkpoint past `after_checkpoint` is complete."""
   launcher = start_module("launch.local", *two_processes(model_dir, TRAIN_STEPS), stderr=subprocess.STDOUT)
   deadline = time.time() + 300
-  while not any(s >= KILL_AFTER_CHECKPOINT for s in _finished_checkpoints(model_dir)):
-    assert launcher.poll() is None and time.time() < deadline, "the run ended before its checkpoint at step 10"
+  while not any(s > after_checkpoint for s in _finished_checkpoints(model_dir)):
+    assert launcher.poll() is None and time.time() < deadline, "the run ended before its next checkpoint"
     time.sleep(0.05)
   os.kill(_child_with_process_id(launcher.pid, 1), signal.SIGKILL)
   output = launcher.communicate(timeout=120)[0]
-  return {"model_dir": model_dir, "output": output, "returncode": launcher.returncode,
-          "losses": logged_losses(model_dir), "latest": max(_finished_checkpoints(model_dir))}
+  return {"output": output, "returncode": launcher.returncode, "latest": max(_finished_checkpoints(model_dir))}
+
+
+@pytest.fixture(scope="module")
+def interrupted_run(tmp_path_factory):
+  """Two processes training TRAIN_STEPS steps: preempted (SIGTERM to process 1), resumed, then process 1
+  killed (SIGKILL) after the next checkpoint."""
+  model_dir = tmp_path_factory.mktemp("two_processes")
+  preempted = _preempted(model_dir)
+  killed = _killed(model_dir, after_checkpoint=max(preempted["checkpoints"], default=0))
+  return {"model_dir": model_dir, "preempted": preempted, "output": preempted["output"] + killed["output"],
+          "returncode": killed["returncode"], "killed_output": killed["output"],
+          "losses": logged_losses(model_dir), "latest": killed["latest"]}
+
+
+def test_sigterm_to_one_process_makes_both_save_one_step_and_exit_0(interrupted_run):
+  preempted = interrupted_run["preempted"]
+  assert preempted["returncode"] == 0, preempted["output"][-3000:]
+  saved = preempted["checkpoints"][-1]
+  assert saved >= PREEMPT_AFTER_STEP
+  assert f"preempted: saved a checkpoint at step {saved}" in "\n".join(lines_of(preempted["output"], 0))
+  assert f"resumed from step {saved}" in "\n".join(lines_of(interrupted_run["killed_output"], 0))
 
 
 def test_two_processes_train_like_one_and_only_process_0_reports(interrupted_run, one_process_losses):
   losses, output = interrupted_run["losses"], interrupted_run["output"]
   steps = range(1, max(losses) + 1)
-  assert len(steps) >= KILL_AFTER_CHECKPOINT
+  assert len(steps) > PREEMPT_AFTER_STEP
   np.testing.assert_allclose([losses[s] for s in steps], [one_process_losses[s] for s in steps], rtol=RTOL)
-  assert len(progress_lines(lines_of(output, 0))) >= KILL_AFTER_CHECKPOINT
+  assert len(progress_lines(lines_of(output, 0))) >= len(steps)
   assert progress_lines(lines_of(output, 1)) == []
   assert any("2 process(es)" in line for line in lines_of(output, 0))
   iterators = interrupted_run["model_dir"] / "checkpoints" / str(interrupted_run["latest"]) / "data_iterator"
@@ -102,7 +136,7 @@ def test_two_processes_train_like_one_and_only_process_0_reports(interrupted_run
 
 
 def test_after_a_killed_process_both_resume_from_the_last_checkpoint_exactly(interrupted_run, one_process_losses):
-  assert interrupted_run["returncode"] != 0 and "process 1 exited" in interrupted_run["output"]
+  assert interrupted_run["returncode"] != 0 and "process 1 exited" in interrupted_run["killed_output"]
   assert max(interrupted_run["losses"]) < TRAIN_STEPS, "process 1 was killed after the run had finished"
   model_dir, latest = interrupted_run["model_dir"], interrupted_run["latest"]
   resumed = run_module("launch.local", *two_processes(model_dir, TRAIN_STEPS))

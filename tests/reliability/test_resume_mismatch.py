@@ -1,0 +1,44 @@
+"""A resume whose settings do not fit the checkpoint stops before any compile with one line naming each
+differing setting and both values; settings a run may change on resume do not stop it."""
+import gin
+import pytest
+
+from helpers import SMALL_BERT, logged_losses, train
+from pretrain import cli
+from pretrain import train as train_program
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  model_dir = tmp_path_factory.mktemp("trained")
+  train("bert_tiny_demo", model_dir, 2, SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 2"])
+  return model_dir
+
+
+def resume(model_dir, *bindings):
+  flags = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", *[f"--gin_bindings={b}" for b in SMALL_BERT],
+           f"--gin.MODEL_DIR='{model_dir}'", "--gin.TRAIN_STEPS=3", *[f"--gin_bindings={b}" for b in bindings]]
+  gin.clear_config()
+  cli.run("pretrain.train", lambda: train_program.main(["pretrain.train", *flags]))
+
+
+@pytest.mark.parametrize("bindings, named", [
+    (["BATCH_SIZE = 16"], ["BATCH_SIZE: 8 -> 16"]),
+    (["TASK_FEATURE_LENGTHS = {'input_ids': 32, 'masked_positions': 5}"],
+     ["TASK_FEATURE_LENGTHS: {'input_ids': 64, 'masked_positions': 10} -> {'input_ids': 32, 'masked_positions': 5}"]),
+    (["bert.BertConfig.hidden_size = 32", "bert.BertConfig.scan_layers = True"],
+     ["BertConfig.hidden_size: 64 -> 32", "BertConfig.scan_layers: False -> True"]),
+])
+def test_a_changed_setting_is_named_with_both_values(trained, bindings, named, capsys):
+  with pytest.raises(SystemExit) as exited:
+    resume(trained, *bindings)
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert exited.value.code == 1 and last.startswith("pretrain.train: error: this run does not match the checkpoint")
+  for text in named:
+    assert text in last, last
+
+
+def test_settings_that_may_change_on_resume_do_not_stop_it(trained):
+  resume(trained, "LOG_EVERY_STEPS = 1", "LEARNING_RATE = 1e-3", "bert.BertConfig.remat_policy = 'full'",
+         "bert.BertConfig.dtype = 'bfloat16'")
+  assert max(logged_losses(trained)) == 3

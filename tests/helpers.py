@@ -56,6 +56,9 @@ SMALL_BERT = [
 ]
 
 
+EIGHT_DEVICE_STEPS = 5  # the steps of conftest's bert_on_eight_devices run
+
+
 def small_bert_flags(model_dir, steps):
   """pretrain.train's flags for `steps` steps of the tiny BERT demo at SMALL_BERT's sizes."""
   return ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", *[f"--gin_bindings={b}" for b in SMALL_BERT],

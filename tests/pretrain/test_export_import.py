@@ -14,7 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from helpers import SMALL_BERT, host_devices, run_module, small_bert_flags, start_module, train
+from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, start_module, train
 from models import layers
 from pretrain import checkpoints, export, import_hf, registry
 from pretrain.hf_mappings import bart as bart_mapping
@@ -36,13 +36,9 @@ TRICKY_TEXTS = ["The [MASK] sat on the [SEP] mat.", "[CLS]x[MASK]y", "  spaces  
 
 
 @pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
-  """BERT trained 2 steps on 8 host devices (mesh data=4, model=2), in its own process."""
-  model_dir = tmp_path_factory.mktemp("bert") / "run"
-  result = run_module("pretrain.train", *small_bert_flags(model_dir, 2), "--gin.MESH_SHAPE={'data': 4, 'model': 2}",
-                      env=host_devices(8))
-  assert result.returncode == 0 and "'data': 4" in result.stdout, result.stderr[-2000:]
-  return model_dir
+def bert_dir(bert_on_eight_devices):
+  """BERT trained on 8 host devices (mesh data=4, model=2), in its own process (conftest)."""
+  return bert_on_eight_devices
 
 
 def assert_tokenizer_matches(tokenizer, vocabulary, lines, frame):
@@ -95,7 +91,7 @@ def validation_lines(demo_paths, count):
 def test_bert_trained_on_eight_devices_exports_on_one(bert_dir, tmp_path, demo_paths):
   assert jax.device_count() == 1
   summary = export.export(str(bert_dir), str(tmp_path / "hf"))
-  assert summary["step"] == 2 and max(summary["max_logit_diff"].values()) < export.TOLERANCE
+  assert summary["step"] == EIGHT_DEVICE_STEPS and max(summary["max_logit_diff"].values()) < export.TOLERANCE
   assert sorted(os.listdir(tmp_path)) == ["hf"]  # the staging directory is gone
   lines = validation_lines(demo_paths, 300)
   tokenizer, vocabulary = assert_hf_matches_ours("bert", bert_dir, tmp_path / "hf", [lines[0], lines[1]])
@@ -130,7 +126,7 @@ def test_round_trip_is_bit_exact_and_training_continues_from_imported_weights(be
   # A learning rate of 0 keeps the weights: step 1 must hold exactly the imported (= trained) ones.
   train("bert_tiny_demo", tmp_path / "imported", 1, SMALL_BERT + ["LEARNING_RATE = 0.0", "VOCAB_MODEL = None"],
         gin_files=[str(tmp_path / "imported" / "import.gin")])
-  trained = flatten_params(checkpoints.restore_params(str(bert_dir), 2))
+  trained = flatten_params(checkpoints.restore_params(str(bert_dir), EIGHT_DEVICE_STEPS))
   continued = flatten_params(checkpoints.restore_params(str(tmp_path / "imported"), 1))
   assert trained.keys() == continued.keys() and all(np.array_equal(trained[k], continued[k]) for k in trained)
   assert checkpoints.has_data_iterator(str(tmp_path / "imported"), 1)
@@ -145,7 +141,7 @@ def test_imported_weights_continue_with_scanned_layers_and_export_the_same(bert_
         gin_files=[str(imported / "import.gin")])
   scanned = checkpoints.restore_params(str(imported), 1)
   assert scanned["encoder"]["layers"]["attention"]["norm"]["scale"].shape[0] == 2  # SMALL_BERT's 2 layers, stacked
-  trained = flatten_params(checkpoints.restore_params(str(bert_dir), 2))
+  trained = flatten_params(checkpoints.restore_params(str(bert_dir), EIGHT_DEVICE_STEPS))
   continued = flatten_params(layers.unstack_layer_params(scanned))
   assert trained.keys() == continued.keys() and all(np.array_equal(trained[k], continued[k]) for k in trained)
 
@@ -156,7 +152,7 @@ def test_imported_weights_continue_with_scanned_layers_and_export_the_same(bert_
   assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
   # Resuming with the other layout would restore an optimizer state of the wrong shape: refused.
-  with pytest.raises(ValueError, match="have scan_layers=True, this run sets scan_layers=False"):
+  with pytest.raises(ValueError, match="BertConfig.scan_layers: True -> False"):
     train("bert_tiny_demo", imported, 2, SMALL_BERT + keep_weights, gin_files=[str(imported / "import.gin")])
 
 

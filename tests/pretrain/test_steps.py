@@ -14,12 +14,10 @@ import pytest
 from helpers import ROOT, host_devices, run
 
 RUN = "gin_configs/runs/bert_tiny_demo.gin"
-SCAN = "bert.BertConfig.scan_layers = True"
-VARIANTS = {"plain": [], "microbatches": ["MICROBATCHES = 2"], "remat": ["bert.BertConfig.remat_policy = 'full'"],
-            "scan": [SCAN], "lamb": ["OPTIMIZER = 'lamb'"],
+SCAN_REMAT = ["bert.BertConfig.scan_layers = True", "bert.BertConfig.remat_policy = 'full'"]
+VARIANTS = {"plain": [], "microbatches": ["MICROBATCHES = 2"], "scan_remat": SCAN_REMAT, "lamb": ["OPTIMIZER = 'lamb'"],
             # MICROBATCH_ROWS_PER_GROUP 2 of the 4 rows per data-parallel group: 2 microbatches.
-            "lamb_scan_remat_microbatches": ["OPTIMIZER = 'lamb'", SCAN, "bert.BertConfig.remat_policy = 'full'",
-                                             "MICROBATCH_ROWS_PER_GROUP = 2"]}
+            "lamb_scan_remat_microbatches": ["OPTIMIZER = 'lamb'", *SCAN_REMAT, "MICROBATCH_ROWS_PER_GROUP = 2"]}
 STEPS, BATCH, LENGTH, PREDICTIONS, VOCAB = 3, 8, 32, 5, 512
 
 
@@ -90,18 +88,14 @@ def variant_losses():
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_full_remat_gives_the_plain_steps_losses(variant_losses):
-  np.testing.assert_allclose(variant_losses["remat"]["equal"], variant_losses["plain"]["equal"], rtol=1e-6)
-  np.testing.assert_allclose(variant_losses["remat"]["varying"], variant_losses["plain"]["varying"], rtol=1e-6)
-
-
-def test_scanned_layers_give_the_plain_steps_losses(variant_losses):
+def test_scanned_layers_with_full_remat_give_the_plain_steps_losses(variant_losses):
+  # Each alone is checked layer by layer in tests/models/test_layers.py; here through the whole step.
   for weights in ("equal", "varying"):
-    np.testing.assert_allclose(variant_losses["scan"][weights], variant_losses["plain"][weights], rtol=1e-5)
+    np.testing.assert_allclose(variant_losses["scan_remat"][weights], variant_losses["plain"][weights], rtol=1e-5)
 
 
 def test_lamb_with_scan_remat_and_microbatches_gives_the_plain_lamb_steps_losses(variant_losses):
-  # The options together, under LAMB (whose per-layer trust ratio test_scan_layers.py checks closely).
+  # The options together, under LAMB (whose per-layer trust ratio tests/models/test_layers.py checks closely).
   assert variant_losses["lamb_scan_remat_microbatches"]["microbatches"] == 2
   for weights in ("equal", "varying"):
     np.testing.assert_allclose(variant_losses["lamb_scan_remat_microbatches"][weights],

@@ -4,12 +4,12 @@ import json
 
 import numpy as np
 
-from helpers import SMALL_BERT, host_devices, logged_losses, run_module, small_bert_flags, train
+from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, logged_losses, train
 from data_pipelines import vocab
 
 SMALL_XLNET = [
     "xlnet.XLNetConfig.d_model = 32", "xlnet.XLNetConfig.d_head = 16", "xlnet.XLNetConfig.d_inner = 64",
-    "SEQ_LEN = 32", "MEM_LEN = 16", "REUSE_LEN = 16", "NUM_PREDICT = 6", "BATCH_SIZE = 4", "WARMUP_STEPS = 2",
+    "SEQ_LEN = 32", "MEM_LEN = 16", "REUSE_LEN = 16", "NUM_PREDICT = 6", "BATCH_SIZE = 2", "WARMUP_STEPS = 2",
 ]
 
 
@@ -41,15 +41,13 @@ def test_xlnet_resume_is_exact(tmp_path):
   assert [a[s] for s in range(6, 13)] == [b[s] for s in range(6, 13)]  # bitwise on CPU
 
 
-def test_one_device_and_eight_devices_agree(tmp_path):
-  losses = {}
-  for name, devices, mesh in (("one", 1, "{'data': 1}"), ("eight", 8, "{'data': 4, 'model': 2}")):
-    result = run_module("pretrain.train", *small_bert_flags(tmp_path / name, 5), "--gin.LOG_EVERY_STEPS=1",
-                        f"--gin.MESH_SHAPE={mesh}", env=host_devices(devices))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert f"'data': {4 if devices == 8 else 1}" in result.stdout
-    losses[name] = [logged_losses(tmp_path / name)[s] for s in range(1, 6)]
-  np.testing.assert_allclose(losses["one"], losses["eight"], rtol=2e-5)
+def test_one_device_and_eight_devices_agree(tmp_path, bert_on_eight_devices):
+  """This process has one CPU device; the eight-device run (data 4 × model 2) is conftest's."""
+  one_device = ["LOG_EVERY_STEPS = 1", "MESH_SHAPE = {'data': 1}"]
+  train("bert_tiny_demo", tmp_path, EIGHT_DEVICE_STEPS, SMALL_BERT + one_device)
+  one, eight = logged_losses(tmp_path), logged_losses(bert_on_eight_devices)
+  steps = range(1, EIGHT_DEVICE_STEPS + 1)
+  np.testing.assert_allclose([one[s] for s in steps], [eight[s] for s in steps], rtol=2e-5)
 
 
 def test_the_model_caches_what_the_next_window_continues():

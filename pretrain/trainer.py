@@ -111,6 +111,10 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   Returns a summary: first and last logged loss, the step reached, whether it was preempted, and
   the checkpoint directory.
   """
+  if train_steps < 1:
+    raise ConfigError(f"TRAIN_STEPS={train_steps}: expected a positive number of steps")
+  if epath.Path(model_dir).exists() and not epath.Path(model_dir).is_dir():
+    raise ConfigError(f"MODEL_DIR={model_dir!r} is a file; it must be a directory (or not exist yet)")
   family = fitted_family(family, mixture_or_task_name, task_feature_lengths)
   mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
   setup = steps.make_setup(family, task_feature_lengths, batch_size, mesh, optimizer, schedule, microbatches,

@@ -11,10 +11,12 @@ XLNET_RUN = "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
 
 
 def run_train(capsys, tmp_path, *args):
-  """(exit code, last stderr line) of `python -m pretrain.train args`, run in this process."""
+  """(exit code, last stderr line) of `python -m pretrain.train args` (MODEL_DIR tmp_path unless given),
+  run in this process."""
   gin.clear_config()
+  argv = ["pretrain.train", f"--gin.MODEL_DIR='{tmp_path}'", *args]
   with pytest.raises(SystemExit) as exited:
-    cli.run("pretrain.train", lambda: train.main(["pretrain.train", *args, f"--gin.MODEL_DIR='{tmp_path}'"]))
+    cli.run("pretrain.train", lambda: train.main(argv))
   return exited.value.code, capsys.readouterr().err.strip().splitlines()[-1]
 
 
@@ -42,11 +44,19 @@ def run_train(capsys, tmp_path, *args):
     ([XLNET_RUN, "--gin.xlnet.XLNetConfig.reuse_len=32"],
      "xlnet.XLNetConfig.reuse_len=32 differs from the data's TASK_FEATURE_LENGTHS reuse_len=64"),
     ([BERT_RUN, "--no_such_flag"], "unknown arguments ['--no_such_flag']"),
+    ([BERT_RUN, "--gin.TRAIN_STEPS=0"], "TRAIN_STEPS=0: expected a positive number of steps"),
+    (["--gin_file=gin_configs/runs/no_such_run.gin"], "--gin_file=gin_configs/runs/no_such_run.gin: no such file"),
 ])
 def test_bad_configuration_fails_with_one_line(args, message, capsys, tmp_path):
   code, last = run_train(capsys, tmp_path, *args)
   assert code == 1
   assert last.startswith("pretrain.train: error:") and message in last, last
+
+
+def test_a_model_dir_that_is_a_file_fails_with_one_line(capsys, tmp_path):
+  (tmp_path / "a_file").write_text("not a directory")
+  code, last = run_train(capsys, tmp_path, BERT_RUN, f"--gin.MODEL_DIR='{tmp_path / 'a_file'}'")
+  assert code == 1 and last.startswith(f"pretrain.train: error: MODEL_DIR='{tmp_path / 'a_file'}' is a file"), last
 
 
 def test_a_bug_is_not_reported_as_a_user_error(monkeypatch, tmp_path):

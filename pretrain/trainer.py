@@ -56,19 +56,17 @@ def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, m
   latest = manager.latest_step()
   if latest is None:
     return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed)), None
-  saved = run_files.read_run_config(model_dir, latest)[1]
-  scan_layers = setup.family.config.scan_layers
   where = checkpoints.checkpoint_dir(model_dir)
   if not checkpoints.has_data_iterator(model_dir, latest):
     # Unrolled as pretrain.import_hf writes them; one program, so XLA never holds two sets of params.
     abstract = setup.sharded_abstract_state().params
-    params = run_files.in_layout(checkpoints.restore_params(model_dir, latest), scan_layers)
+    params = run_files.in_layout(checkpoints.restore_params(model_dir, latest), setup.family.config.scan_layers)
     params = jax.tree.map(lambda target, value: jax.make_array_from_callback(target.shape, target.sharding,
                                                                              lambda index: value[index]),
                           abstract, params)
     state = jax.jit(setup.state_around, out_shardings=setup.state_shardings)(params, jax.random.PRNGKey(seed))
     return state, f"starting from the weights in {where}: fresh optimizer, step 0"
-  differences = saved.differences(run_config)
+  differences = run_files.read_run_config(model_dir, latest)[1].differences(run_config)
   if differences:
     raise ConfigError(f"this run does not match the checkpoint at step {latest} in {where} ({'; '.join(differences)}): "
                       "resume with the checkpoint's settings, or train in a new MODEL_DIR")
@@ -113,7 +111,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   """
   if train_steps < 1:
     raise ConfigError(f"TRAIN_STEPS={train_steps}: expected a positive number of steps")
-  if epath.Path(model_dir).exists() and not epath.Path(model_dir).is_dir():
+  directory = epath.Path(model_dir)
+  if directory.exists() and not directory.is_dir():
     raise ConfigError(f"MODEL_DIR={model_dir!r} is a file; it must be a directory (or not exist yet)")
   family = fitted_family(family, mixture_or_task_name, task_feature_lengths)
   mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
@@ -121,7 +120,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                            microbatch_rows_per_group)
   data = input_pipeline_for_run(family, mixture_or_task_name, task_feature_lengths, batch_size,
                                 partitioning.data_parallel_groups(mesh), seed, data_shards)
-  epath.Path(model_dir).mkdir(parents=True, exist_ok=True)
+  directory.mkdir(parents=True, exist_ok=True)
   run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
   run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
   manager = checkpoints.make_manager(model_dir, keep_checkpoints)

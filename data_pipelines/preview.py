@@ -60,7 +60,7 @@ def print_examples(task_name: str, split: str, num_examples: int, output_format:
   objective = tasks.objective_of(task)
   schema = features.schema(objective)
   lengths = feature_lengths or dict(schema.default_lengths)
-  schema.check_lengths(objective, lengths)
+  tasks.check_lengths(objective, lengths)
   vocabulary = tasks.vocabulary(task)
   dataset = tasks.get_dataset(task, lengths, split=split, shuffle=False, seed=seed, num_epochs=1)
   for index, example in enumerate(dataset.take(num_examples).as_numpy_iterator()):

@@ -12,20 +12,37 @@ from absl import logging
 
 _BLANK_LINES = r"\n[ \t\r]*\n[\s]*"  # one or more blank (or whitespace-only) lines
 _DOCUMENT_BREAK = "\x1e"  # ASCII record separator: cannot occur in decoded text lines
+# Far longer than any sentence or paragraph; tokenizing a line holds a few hundred times its size in memory.
+MAX_LINE_BYTES = 2**20
 
 
-def split_documents(file_content: tf.Tensor) -> tf.data.Dataset:
+def split_documents(file_content: tf.Tensor, file_name: tf.Tensor) -> tf.data.Dataset:
   """One file's bytes -> dataset of {'text'} documents.
 
   Bytes that are not UTF-8 become U+FFFD rather than failing the pipeline; whitespace-only lines
-  end a document like blank lines do; empty documents are dropped.
+  end a document like blank lines do; empty documents are dropped. Lines longer than MAX_LINE_BYTES
+  are no sentences (a file without line breaks, say): they are dropped, counted in a warning on stderr
+  each time the file is read.
   """
-  text = tf.strings.unicode_transcode(file_content, "UTF-8", "UTF-8", errors="replace")
-  text = tf.strings.regex_replace(text, "\r\n?", "\n")
+  # Line breaks first, on the bytes as they are (the regex passes bytes that are not UTF-8 through), so that
+  # the slow transcoding skips the lines dropped.
+  lines = tf.strings.split(tf.strings.regex_replace(file_content, "\r\n?", "\n"), "\n")
+  too_long = tf.strings.length(lines) > MAX_LINE_BYTES
+  num_too_long = tf.reduce_sum(tf.cast(too_long, tf.int32))
+  warned = tf.cond(num_too_long > 0, lambda: _warn_long_lines(num_too_long, file_name), lambda: tf.constant(True))
+  with tf.control_dependencies([warned]):
+    text = tf.strings.reduce_join(tf.boolean_mask(lines, ~too_long), separator="\n")
+  text = tf.strings.unicode_transcode(text, "UTF-8", "UTF-8", errors="replace")
   text = tf.strings.regex_replace(text, _BLANK_LINES, _DOCUMENT_BREAK)
   documents = tf.strings.strip(tf.strings.split(text, _DOCUMENT_BREAK))
   documents = tf.boolean_mask(documents, tf.strings.length(documents) > 0)
   return tf.data.Dataset.from_tensor_slices({"text": documents})
+
+
+def _warn_long_lines(count: tf.Tensor, file_name: tf.Tensor) -> tf.Tensor:
+  with tf.control_dependencies([tf.print("warning: skipping", count, f"line(s) longer than {MAX_LINE_BYTES} bytes in",
+                                         file_name, "(one sentence per line expected)")]):
+    return tf.constant(True)
 
 
 class TextDocumentSource(seqio.DataSource):
@@ -55,7 +72,12 @@ class TextDocumentSource(seqio.DataSource):
     files = seqio.utils.list_files(pattern)
     if not files:
       raise FileNotFoundError(f"{self._setting}={pattern!r} matches no files")
-    self._sizes[split] = {f: tf.io.gfile.stat(f).length for f in files}
+    stats = {f: tf.io.gfile.stat(f) for f in files}
+    directories = [f for f in files if stats[f].is_directory]
+    if directories:
+      raise ValueError(f"{self._setting}={pattern!r} matches the directory {directories[0]}: expected text files, "
+                       f"e.g. {self._setting}='{directories[0].rstrip('/')}/*.txt'")
+    self._sizes[split] = {f: stats[f].length for f in files}
     empty = [f for f in files if self._sizes[split][f] == 0]
     if empty:
       logging.warning("skipping %d empty file(s) of %s, e.g. %s", len(empty), pattern, empty[0])
@@ -78,7 +100,7 @@ class TextDocumentSource(seqio.DataSource):
     ds = tf.data.Dataset.from_tensor_slices(files)
     if shuffle:
       ds = ds.shuffle(len(files), seed=seed)
-    return ds.map(tf.io.read_file).flat_map(split_documents)
+    return ds.flat_map(lambda file_name: split_documents(tf.io.read_file(file_name), file_name))
 
 
 def tfds_to_documents(dataset: tf.data.Dataset, text_key: str = "text") -> tf.data.Dataset:

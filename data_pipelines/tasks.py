@@ -8,7 +8,7 @@ each objective emits are stated in `features.SCHEMAS`.
 """
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import seqio
 
@@ -28,6 +28,12 @@ def _sentence_pair_mlm(vocabulary, *, mode: str, label_key: str, max_ngram: int,
                         random_token_min=vocab.FIRST_NORMAL_ID, vocab_size=vocabulary.vocab_size, label_key=label_key,
                         max_ngram=max_ngram, whole_word=whole_word),
   ]
+
+
+def _sentence_pair_lengths(lengths: Mapping[str, int]) -> None:
+  """Room in `[CLS] A [SEP] B [SEP]` for A and B, and for masked_positions among them."""
+  nsp_sop.pair_budget(lengths["input_ids"])
+  mlm.check_pair_lengths(lengths)
 
 
 def bert_mlm_nsp(vocabulary):
@@ -58,6 +64,13 @@ def t5_span_corruption(vocabulary):
                             first_sentinel_id=vocabulary.vocab_size - 1, decoder_start_id=special.pad)]
 
 
+def _xlnet_lengths(sequence_length: Mapping[str, int]) -> Dict[str, int]:
+  """The permutation objective's lengths from TASK_FEATURE_LENGTHS, as `xlnet_plm` describes them."""
+  reuse_len = sequence_length["reuse_len"]
+  return {"seq_len": sequence_length["input_ids"], "reuse_len": reuse_len, "perm_size": reuse_len,
+          "num_predict": sequence_length["target_ids"]}
+
+
 def xlnet_plm(vocabulary, backward: bool = False):
   """Lengths from TASK_FEATURE_LENGTHS: input_ids (the window), reuse_len (the part that continues the
   previous window, which the model caches), target_ids (predictions). Permutations stay within
@@ -66,15 +79,13 @@ def xlnet_plm(vocabulary, backward: bool = False):
   word_start = vocab.word_start_table(vocabulary)
 
   def windows(dataset, sequence_length):
-    return permutation.xlnet_windows(dataset, seq_len=sequence_length["input_ids"],
-                                     reuse_len=sequence_length["reuse_len"], sep_id=special.sep, cls_id=special.cls,
-                                     backward=backward)
+    lengths = _xlnet_lengths(sequence_length)
+    return permutation.xlnet_windows(dataset, seq_len=lengths["seq_len"], reuse_len=lengths["reuse_len"],
+                                     sep_id=special.sep, cls_id=special.cls, backward=backward)
 
   def permuted(dataset, sequence_length):
-    reuse_len = sequence_length["reuse_len"]
-    return permutation.xlnet_permutation_features(
-        dataset, seq_len=sequence_length["input_ids"], reuse_len=reuse_len, perm_size=reuse_len,
-        num_predict=sequence_length["target_ids"], word_start=word_start, sep_id=special.sep, cls_id=special.cls)
+    return permutation.xlnet_permutation_features(dataset, **_xlnet_lengths(sequence_length), word_start=word_start,
+                                                  sep_id=special.sep, cls_id=special.cls)
 
   return [seqio.CacheDatasetPlaceholder(), windows, permuted]
 
@@ -82,6 +93,8 @@ def xlnet_plm(vocabulary, backward: bool = False):
 @dataclasses.dataclass(frozen=True)
 class Objective:
   preprocessors: Callable[[seqio.Vocabulary], List]  # applied after tokenization
+  # Raises ValueError for TASK_FEATURE_LENGTHS the preprocessors would refuse: the objectives' own checks.
+  check_lengths: Callable[[Mapping[str, int]], None]
   extra_ids: int = 0  # sentinel pieces appended to the vocabulary (T5)
   # Consecutive examples continue one text stream per data shard (XLNet's memory): never shuffled or
   # mixed, and also registered as `<name>_backward`, the stream read right to left, for bi_data.
@@ -89,12 +102,24 @@ class Objective:
 
 
 OBJECTIVES: Dict[str, Objective] = {
-    "bert_mlm_nsp": Objective(bert_mlm_nsp),
-    "albert_mlm_sop": Objective(albert_mlm_sop),
-    "bart_denoising": Objective(bart_denoising),
-    "t5_span_corruption": Objective(t5_span_corruption, extra_ids=100),
-    "xlnet_plm": Objective(xlnet_plm, stream=True),
+    "bert_mlm_nsp": Objective(bert_mlm_nsp, _sentence_pair_lengths),
+    "albert_mlm_sop": Objective(albert_mlm_sop, _sentence_pair_lengths),
+    "bart_denoising": Objective(bart_denoising, lambda lengths: denoising.chunk_length(  # BART adds bos
+        lengths["encoder_input_ids"], lengths["decoder_input_ids"], bos_id=vocab.BOS_ID)),
+    "t5_span_corruption": Objective(t5_span_corruption, lambda lengths: span_corruption.max_tokens_for_lengths(
+        lengths["encoder_input_ids"], lengths["decoder_input_ids"]), extra_ids=100),
+    "xlnet_plm": Objective(xlnet_plm, lambda lengths: permutation.check_lengths(**_xlnet_lengths(lengths)),
+                           stream=True),
 }
+
+
+def check_lengths(objective: str, lengths: Mapping[str, int]) -> None:
+  """Refuses TASK_FEATURE_LENGTHS the objective cannot make examples of, before any data is read."""
+  features.schema(objective).check_lengths(objective, lengths)
+  try:
+    OBJECTIVES[objective].check_lengths(lengths)
+  except ValueError as e:
+    raise ValueError(f"TASK_FEATURE_LENGTHS={dict(lengths)} do not fit the {objective} objective: {e}") from e
 
 
 _OBJECTIVE_OF: Dict[str, str] = {}  # registered task name -> its objective

@@ -16,6 +16,7 @@ import sentencepiece as spm
 import seqio
 from absl import app, flags
 from etils import epath
+from google.protobuf import message
 
 PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
 FIRST_NORMAL_ID = 7  # ids below are special pieces (those above and [CLS], [SEP], [MASK]): never a random replacement
@@ -55,20 +56,29 @@ def train_sentencepiece(input_files, vocab_size: int, output_prefix: str, model_
 
 @functools.lru_cache(maxsize=None)
 def load_vocabulary(model_path: str, extra_ids: int = 0) -> seqio.SentencePieceVocabulary:
-  if not epath.Path(model_path).exists():
+  path = epath.Path(model_path)
+  if not path.exists():
     raise FileNotFoundError(f"VOCAB_MODEL={model_path!r}: no such sentencepiece model")
+  if path.is_dir():
+    raise ValueError(f"VOCAB_MODEL={model_path!r} is a directory: expected the .model file of a sentencepiece model")
   vocabulary = seqio.SentencePieceVocabulary(model_path, extra_ids=extra_ids)
-  special_ids(vocabulary)  # fail early on a model trained without our special pieces
+  try:
+    special_ids(vocabulary)  # fail early on a model trained without our special pieces
+  except (message.DecodeError, RuntimeError) as e:  # seqio reads the file on first use
+    raise ValueError(f"VOCAB_MODEL={model_path!r} is not a sentencepiece model "
+                     f"({str(e).strip().splitlines()[0]})") from e
   return vocabulary
 
 
 def special_ids(vocabulary: seqio.SentencePieceVocabulary) -> SpecialIds:
   processor = vocabulary.tokenizer
   ids = {piece: processor.piece_to_id(piece) for piece in USER_SYMBOLS}
-  wrong = [piece for piece, i in ids.items() if i == processor.unk_id()]
-  if wrong or processor.pad_id() != PAD_ID or processor.eos_id() != EOS_ID:
-    raise ValueError(f"sentencepiece model lacks {wrong or 'pad=0/eos=1'}: train it with "
-                     "`python -m data_pipelines.vocab` so the special pieces exist")
+  problems = [f"no {piece} piece" for piece, i in ids.items() if i == processor.unk_id()]
+  problems += [f"{name} id {actual}, not {expected}" for name, actual, expected in
+               (("pad", processor.pad_id(), PAD_ID), ("eos", processor.eos_id(), EOS_ID)) if actual != expected]
+  if problems:
+    raise ValueError(f"VOCAB_MODEL={vocabulary.sentencepiece_model_file!r} was not trained with this framework's "
+                     f"special pieces ({', '.join(problems)}): train one with `python -m data_pipelines.vocab`")
   return SpecialIds(pad=PAD_ID, eos=EOS_ID, unk=processor.unk_id(), bos=processor.bos_id(),
                     cls=ids[CLS_PIECE], sep=ids[SEP_PIECE], mask=ids[MASK_PIECE])
 

@@ -1,19 +1,29 @@
 """Orbax checkpoints: train state (sharded, async), each process's data-iterator position, run config.
 
-Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/process_<i>, run_config} (the run config
-is `pretrain.model_dir.RunConfig`'s JSON). The data
-iterator is a tf.data iterator saved with tf.train.Checkpoint, one file per process, so a resumed
-run continues each host's data stream exactly where it stopped. A weights-only checkpoint (from
-`pretrain.import_hf`) has state = {params} and no data_iterator.
+Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/process_<i>, run_config, checksums} (the run
+config is `pretrain.run_files.RunConfig`'s JSON). The data iterator is a tf.data iterator saved with
+tf.train.Checkpoint, one file per process, so a resumed run continues each host's data stream exactly
+where it stopped. A weights-only checkpoint (from `pretrain.import_hf`) has state = {params} and no
+data_iterator.
+
+Orbax makes a save atomic (a step directory appears only once complete); `checksums` makes a restore
+honest: a sum over each array's bits, taken before the save and compared after the restore, so that
+damaged array data is caught rather than trained on.
 """
 import dataclasses
-from typing import Any
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorflow as tf
 from etils import epath
+from jax.experimental import multihost_utils
+
+from pretrain import distributed
+from pretrain.errors import ConfigError, TrainingStopped, one_line
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -23,10 +33,14 @@ class DataIteratorHandler(ocp.CheckpointHandler):
     path = epath.Path(directory) / f"process_{jax.process_index()}"
     tf.train.Checkpoint(iterator=args.iterator).write(str(path))
 
-  def restore(self, directory: epath.Path, args: "DataIteratorRestore"):
-    path = epath.Path(directory) / f"process_{jax.process_index()}"
-    tf.train.Checkpoint(iterator=args.iterator).read(str(path)).assert_consumed()
-    return args.iterator
+  def restore(self, directory: epath.Path, args: "DataIteratorRestore") -> int:
+    """Restores the iterator in place if as many processes saved it as run now; returns how many did.
+    Each process's iterator reads its own shards, so another count cannot continue them."""
+    saved_by = len(list(epath.Path(directory).glob("process_*.index")))
+    if saved_by == jax.process_count():
+      path = epath.Path(directory) / f"process_{jax.process_index()}"
+      tf.train.Checkpoint(iterator=args.iterator).read(str(path)).assert_consumed()
+    return saved_by
 
 
 @ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
@@ -45,26 +59,189 @@ def checkpoint_dir(model_dir: str) -> epath.Path:
   return epath.Path(model_dir) / "checkpoints"
 
 
+TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of a step directory that orbax has not finalised
+
+
+def unfinished_saves(model_dir: str) -> List[str]:
+  """Temporary directories of saves that never completed (a process killed while saving). A manager
+  never restores them, and the one that `make_manager` returns removes them before its first save."""
+  directory = checkpoint_dir(model_dir)
+  return sorted(p.name for p in directory.iterdir() if TMP_MARK in p.name) if directory.exists() else []
+
+
 def make_manager(model_dir: str, max_to_keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
+  # Directories are made before `save` returns: made in the background, a refused one leaves the save
+  # waiting for a signal that never comes (20 minutes) instead of failing.
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                         create=True)
+                                         create=True, cleanup_tmp_directories=True,
+                                         async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
   return ocp.CheckpointManager(checkpoint_dir(model_dir), options=options)
 
 
 def save(manager: ocp.CheckpointManager, step: int, state, data_iterator, run_config: dict) -> None:
-  """Asynchronous for the state; the iterator and config are small and written before returning."""
+  """Asynchronous for the state; the iterator, config and checksums are small and written before returning."""
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
       data_iterator=DataIteratorSave(data_iterator),
-      run_config=ocp.args.JsonSave(run_config)))
+      run_config=ocp.args.JsonSave(run_config),
+      checksums=ocp.args.JsonSave(checksums(state))))
 
 
-def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator):
-  """Restores the state into the shardings of `abstract_state` and the iterator in place."""
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state),
-      data_iterator=DataIteratorRestore(data_iterator)))
-  return restored.state
+class Saver:
+  """Saves a run's train states through an orbax manager, and makes sure that they land.
+
+  A save runs in the background; whether it landed is checked after each step (`check`), at the next
+  save and at the end (`finish`). When one failed, or could not start, the state in hand is saved
+  again through a new manager, after waits that double from `first_wait` seconds, up to `attempts`
+  times. If storage still refuses, TrainingStopped says which step is not saved and which is the
+  newest that is: a run never goes on believing that it checkpoints when it does not.
+  """
+
+  def __init__(self, model_dir: str, max_to_keep: int, say, attempts: int = 4, first_wait: float = 1.0):
+    self.model_dir, self.max_to_keep, self.say = model_dir, max_to_keep, say
+    self.attempts, self.first_wait = attempts, first_wait
+    self.manager = make_manager(model_dir, max_to_keep)
+
+  def save(self, step: int, state, data_iterator, run_config: dict) -> None:
+    self._confirmed(lambda: (self.manager.wait_until_finished(),
+                             save(self.manager, step, state, data_iterator, run_config)),
+                    step, state, data_iterator, run_config)
+
+  def check(self, step: int, state, data_iterator, run_config: dict) -> None:
+    """Cheap: if the last save failed, saves this step now."""
+    self._confirmed(self.manager.check_for_errors, step, state, data_iterator, run_config)
+
+  def finish(self, step: int, state, data_iterator, run_config: dict) -> None:
+    """Waits for the last save; if it failed, saves this step now."""
+    self._confirmed(self.manager.wait_until_finished, step, state, data_iterator, run_config)
+
+  def _confirmed(self, action, step, state, data_iterator, run_config) -> None:
+    try:
+      action()
+      error = None
+    except WRITE_ERRORS as e:
+      error = e
+    if distributed.any_process(error is not None):  # every process saves again, or none
+      self._save_again(step, state, data_iterator, run_config, error)
+
+  def _save_again(self, step, state, data_iterator, run_config, error) -> None:
+    where, wait = checkpoint_dir(self.model_dir), self.first_wait
+    for attempt in range(1, self.attempts + 1):
+      self.say(f"saving a checkpoint in {where} failed ({_described(error)}); saving step {step} in "
+               f"{wait:.0f} s (attempt {attempt} of {self.attempts})")
+      time.sleep(wait)
+      wait *= 2
+      try:
+        self._reopen()
+        save(self.manager, step, state, data_iterator, run_config)
+        self.manager.wait_until_finished()
+        self.say(f"saved step {step} in {where}")
+        return
+      except WRITE_ERRORS as e:
+        error = e
+    raise TrainingStopped(f"cannot write checkpoints in {where} ({_described(error)}): the train state of step "
+                          f"{step} is NOT saved; the newest saved checkpoint is step {_newest_step(where)}. "
+                          "Fix the storage (space, permissions), then resume")
+
+  def _reopen(self) -> None:
+    try:
+      self.manager.close()
+    except WRITE_ERRORS:  # the failed save's own error again; the new manager removes what it left
+      pass
+    self.manager = make_manager(self.model_dir, self.max_to_keep)
+
+
+def _newest_step(directory: epath.Path):
+  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
+  return max(steps) if steps else None
+
+
+def _described(error: Exception) -> str:
+  return f"{type(error).__name__}: {one_line(error)[:300]}"
+
+
+class DamagedCheckpoint(Exception):
+  """A checkpoint that cannot be restored as written; the message says what is wrong, in one line."""
+
+
+# Reading damaged files raises anything from tensorstore's plain Exception to TensorFlow's IndexError
+# (a truncated iterator file), so a restore catches them all: the fault is named with its type and
+# first line, and nothing is moved or deleted unless an older checkpoint restores intact. Writes fail
+# as variously (OSError, tensorstore's ValueError, orbax's TimeoutError) and are only ever retried.
+READ_ERRORS = WRITE_ERRORS = (Exception,)
+
+
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator) -> Tuple[Any, Optional[str]]:
+  """The state of `step`, in the shardings of `abstract_state`, with the iterator restored in place, and
+  a line if the iterator could not be (saved by another number of processes). DamagedCheckpoint if the
+  checkpoint cannot be read or its arrays differ from what was saved; ConfigError if it holds other
+  arrays than this run's state (another optimizer)."""
+  saved = _read(manager, step, checksums=ocp.args.JsonRestore()).checksums
+  wanted = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
+  if set(saved) != set(wanted):
+    only_saved, only_wanted = sorted(set(saved) - set(wanted)), sorted(set(wanted) - set(saved))
+    raise ConfigError(f"the train state in step {step} has other arrays than this run's ({len(only_saved)} only in the "
+                      f"checkpoint, e.g. {(only_saved or ['none'])[0]}; {len(only_wanted)} only in this run, e.g. "
+                      f"{(only_wanted or ['none'])[0]}): resume with the checkpoint's OPTIMIZER and its settings, or "
+                      "train in a new MODEL_DIR")
+  restored = _read(manager, step, state=ocp.args.StandardRestore(abstract_state),
+                   data_iterator=DataIteratorRestore(data_iterator))
+  differing = [name for name, value in checksums(restored.state).items() if saved[name] != value]
+  if differing:
+    more = f" and {len(differing) - 1} more" if len(differing) > 1 else ""
+    raise DamagedCheckpoint(f"the data of {differing[0]}{more} differs from what was saved (checksum mismatch)")
+  if restored.data_iterator == jax.process_count():
+    return restored.state, None
+  return restored.state, (f"the data position of step {step} was saved by {restored.data_iterator} process(es) and "
+                          f"this run has {jax.process_count()}: the input starts again from its beginning, so "
+                          f"examples are seen again; {restored.data_iterator} process(es) would continue it exactly")
+
+
+def _read(manager: ocp.CheckpointManager, step: int, **items):
+  """These items of `step`; DamagedCheckpoint on every process if any process cannot read them."""
+  try:
+    restored, problem = manager.restore(step, args=ocp.args.Composite(**items)), None
+  except READ_ERRORS as e:
+    problem = f"unreadable ({_described(e)})"
+  if distributed.any_process(problem is not None):
+    raise DamagedCheckpoint(problem or "unreadable on another process")
+  return restored
+
+
+def checksums(tree) -> Dict[str, str]:
+  """Array path -> a 32-bit sum of its bits, each element weighted by an odd number from its position:
+  any one flipped bit changes it, moved values change it, and it is the same whatever the sharding."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  sums = jax.device_get(_position_weighted_sums([leaf for _, leaf in leaves]))
+  return {jax.tree_util.keystr(path): f"{int(total):08x}" for (path, _), total in zip(leaves, sums)}
+
+
+@jax.jit
+def _position_weighted_sums(arrays):
+  return [_position_weighted_sum(a) for a in arrays]
+
+
+def _position_weighted_sum(x):
+  if x.dtype == jnp.bool_:
+    bits = x.astype(jnp.uint32)
+  else:
+    bits = jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize])
+    bits = bits.astype(jnp.uint32)
+  position, stride = jnp.zeros(x.shape, jnp.uint32), 1
+  for axis in reversed(range(x.ndim)):  # the flat index, built from iotas so that no reshape regathers x
+    position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
+    stride = stride * x.shape[axis] % 2**32
+  return jnp.sum(bits * (2 * position + 1), dtype=jnp.uint32)
+
+
+def set_aside(model_dir: str, step: int) -> epath.Path:
+  """Moves a damaged checkpoint out of the manager's sight, kept for inspection: MODEL_DIR/damaged/<step>."""
+  target = epath.Path(model_dir) / "damaged" / str(step)
+  if jax.process_index() == 0:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (checkpoint_dir(model_dir) / str(step)).rename(target)
+  multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+  return target
 
 
 def save_weights(model_dir: str, params, run_config: dict) -> None:

@@ -9,7 +9,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import gin
 
-from pretrain.errors import USER_ERRORS, ConfigError, user_settings
+from pretrain.errors import USER_ERRORS, ConfigError, one_line, user_settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _UNSET_ARGUMENT = "No values supplied by Gin or caller for arguments"  # gin's words for a missing binding
@@ -86,12 +86,6 @@ def _evaluate(name: str, value):
       macro = re.search(r"configurable 'macro' .* in scope '([\w.]+)'", str(e))
       raise ConfigError(f"macro {macro.group(1)} is not set: bind it in a gin file or with --gin.{macro.group(1)}=..."
                         if macro else f"{name}: {one_line(e)}") from e
-
-
-def one_line(error: BaseException) -> str:
-  """gin appends 'In call to configurable ...' lines and file context: keep the first line."""
-  text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  return text.strip().strip('"')
 
 
 def fail(error: BaseException, program: str) -> None:

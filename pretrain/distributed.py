@@ -38,3 +38,14 @@ def initialize() -> None:
     address = f"{LOOPBACK}:{free_port()}"
     jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address, num_processes=1,
                                process_id=0)
+
+
+def any_process(flag: bool) -> bool:
+  """True on every process of the job if `flag` is true on any: they all take the same branch."""
+  import jax
+  import numpy as np
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return flag
+  return bool(np.any(multihost_utils.process_allgather(np.array(flag))))

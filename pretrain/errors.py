@@ -30,3 +30,10 @@ def user_settings():
     raise
   except ValueError as e:
     raise ConfigError(str(e)) from e
+
+
+def one_line(error: BaseException) -> str:
+  """An error's first line: gin appends 'In call to configurable ...' lines and file context, tensorstore
+  whole specs."""
+  text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  return text.strip().strip('"')

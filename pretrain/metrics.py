@@ -16,6 +16,12 @@ def _duration(seconds: float) -> str:
   return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
+def say(text: str) -> None:
+  """A line for the user, from process 0 only."""
+  if jax.process_index() == 0:
+    print(text, flush=True)
+
+
 class MetricsWriter:
   def __init__(self, model_dir: str, total_steps: int, start_step: int):
     self.enabled = jax.process_index() == 0
@@ -57,10 +63,6 @@ class MetricsWriter:
     tokens = metrics.get("tokens_per_second", 0.0)
     return (f"[{bar}] step {step:>6d}/{self.total_steps}  {shown}  "
             f"{tokens / 1000:.1f}k tok/s  ETA {_duration(eta) if eta != float('inf') else '?'}")
-
-  def message(self, text: str) -> None:
-    if self.enabled:
-      print(text, flush=True)
 
   def close(self) -> None:
     if self.enabled:

@@ -4,7 +4,7 @@ It knows models only through a `Family` (pretrain/families/base.py) and data onl
 task name and `data_pipelines.input_pipeline`; the state and the jitted steps are `pretrain.steps`.
 """
 import time
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -14,10 +14,10 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
-from pretrain import checkpoints, partitioning, run_files, steps
+from pretrain import checkpoints, lease, partitioning, run_files, steps
 from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
-from pretrain.metrics import MetricsWriter
+from pretrain.metrics import MetricsWriter, say
 
 
 def fitted_family(family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int]) -> Family:
@@ -47,31 +47,56 @@ def input_pipeline_for_run(family: Family, mixture_or_task_name: str, task_featu
 
 
 def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, model_dir: str, manager,
-                          train_iterator, seed: int) -> Tuple[steps.TrainState, Optional[str]]:
-  """The state a run starts from, and how it was found (None: fresh):
-  - resume: the latest checkpoint, with the data iterator where it stopped, if `run_config` matches it;
+                          train_iterator, seed: int) -> Tuple[steps.TrainState, List[str]]:
+  """The state a run starts from, and lines that say how it was found (none: fresh):
+  - resume: the newest checkpoint that restores intact, with the data iterator where it stopped, if
+    `run_config` matches it. Damaged newer ones are named and set aside; if none is intact the run
+    stops: it never starts over in a MODEL_DIR that holds checkpoints;
   - imported weights (a weights-only checkpoint from pretrain.import_hf): a fresh state around them;
   - fresh: a new state from `seed`.
   """
-  latest = manager.latest_step()
-  if latest is None:
-    return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed)), None
+  saved = sorted(manager.all_steps(), reverse=True)
+  if not saved:
+    return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed)), []
   where = checkpoints.checkpoint_dir(model_dir)
-  if not checkpoints.has_data_iterator(model_dir, latest):
-    # Unrolled as pretrain.import_hf writes them; one program, so XLA never holds two sets of params.
-    abstract = setup.sharded_abstract_state().params
-    params = run_files.in_layout(checkpoints.restore_params(model_dir, latest), setup.family.config.scan_layers)
-    params = jax.tree.map(lambda target, value: jax.make_array_from_callback(target.shape, target.sharding,
-                                                                             lambda index: value[index]),
-                          abstract, params)
-    state = jax.jit(setup.state_around, out_shardings=setup.state_shardings)(params, jax.random.PRNGKey(seed))
-    return state, f"starting from the weights in {where}: fresh optimizer, step 0"
-  differences = run_files.read_run_config(model_dir, latest)[1].differences(run_config)
-  if differences:
-    raise ConfigError(f"this run does not match the checkpoint at step {latest} in {where} ({'; '.join(differences)}): "
-                      "resume with the checkpoint's settings, or train in a new MODEL_DIR")
-  state = checkpoints.restore(manager, latest, setup.sharded_abstract_state(), train_iterator)
-  return state, f"resumed from step {latest} in {where}"
+  if not checkpoints.has_data_iterator(model_dir, saved[0]):
+    return _around_imported_weights(setup, model_dir, saved[0], seed), [
+        f"starting from the weights in {where}: fresh optimizer, step 0"]
+  damaged = []
+  for step in saved:
+    try:
+      saved_config = run_files.read_run_config(model_dir, step)[1]
+    except checkpoints.READ_ERRORS as e:
+      damaged.append((step, f"its run_config is unreadable ({type(e).__name__})"))
+      continue
+    differences = saved_config.differences(run_config)
+    if differences:
+      raise ConfigError(f"this run does not match the checkpoint at step {step} in {where} ({'; '.join(differences)})"
+                        ": resume with the checkpoint's settings, or train in a new MODEL_DIR")
+    try:
+      state, data_note = checkpoints.restore(manager, step, setup.sharded_abstract_state(), train_iterator)
+    except checkpoints.DamagedCheckpoint as e:
+      damaged.append((step, str(e)))
+      continue
+    notes = [f"checkpoint {where / str(bad)} is damaged: {why}; set aside in {checkpoints.set_aside(model_dir, bad)}"
+             for bad, why in damaged]
+    if damaged:
+      manager.reload()
+    return state, notes + [f"resumed from step {step} in {where}"] + ([data_note] if data_note else [])
+  raise TrainingStopped(f"no checkpoint in {where} can be restored (" +
+                        "; ".join(f"step {step}: {why}" for step, why in damaged) +
+                        "); nothing was moved or deleted. Repair or remove them, or train in a new MODEL_DIR")
+
+
+def _around_imported_weights(setup: steps.Setup, model_dir: str, step: int, seed: int) -> steps.TrainState:
+  """A fresh state around a weights-only checkpoint's params, unrolled as pretrain.import_hf writes them;
+  one program, so XLA never holds two sets of params."""
+  abstract = setup.sharded_abstract_state().params
+  params = run_files.in_layout(checkpoints.restore_params(model_dir, step), setup.family.config.scan_layers)
+  params = jax.tree.map(lambda target, value: jax.make_array_from_callback(target.shape, target.sharding,
+                                                                           lambda index: value[index]),
+                        abstract, params)
+  return jax.jit(setup.state_around, out_shardings=setup.state_shardings)(params, jax.random.PRNGKey(seed))
 
 
 def _mean_metrics(rows):
@@ -96,12 +121,15 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
           eval_every_steps: int = 1000, eval_steps: int = 10, keep_checkpoints: int = 3, seed: int = 0,
           microbatches: int = 1, microbatch_rows_per_group: Optional[int] = None, num_slices: int = 1,
-          data_shards: Optional[int] = None, max_skipped_in_a_row: int = 10) -> Dict[str, Any]:
+          data_shards: Optional[int] = None, max_skipped_in_a_row: int = 10,
+          save_attempts: int = 4) -> Dict[str, Any]:
   """Trains until `train_steps`, resuming from the latest checkpoint in model_dir if there is one.
 
   Faults: an update with non-finite gradients is skipped (and counted); `max_skipped_in_a_row` of them
   stop the run. A preemption notice (SIGTERM) makes every process finish its step, save a checkpoint
-  at the step they agree on, and return; the same command resumes there.
+  at the step they agree on, and return; the same command resumes there. A damaged newest checkpoint
+  is set aside for the newest intact one; a checkpoint that storage refuses is written again
+  (`save_attempts`); another live run on model_dir stops this one before it starts (`pretrain.lease`).
 
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
@@ -121,20 +149,25 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   data = input_pipeline_for_run(family, mixture_or_task_name, task_feature_lengths, batch_size,
                                 partitioning.data_parallel_groups(mesh), seed, data_shards)
   directory.mkdir(parents=True, exist_ok=True)
-  run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
-  run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
-  manager = checkpoints.make_manager(model_dir, keep_checkpoints)
-  train_iterator = data.iterator("train")
-
-  with mesh, nn.logical_axis_rules(setup.rules):
-    state, origin = restore_or_initialize(setup, run_config, model_dir, manager, train_iterator, seed)
+  with lease.held(model_dir, jax.process_index() == 0) as took_over, mesh, nn.logical_axis_rules(setup.rules):
+    run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
+    run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
+    unfinished = checkpoints.unfinished_saves(model_dir)
+    saver = checkpoints.Saver(model_dir, keep_checkpoints, say, save_attempts)
+    train_iterator = data.iterator("train")
+    state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed)
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
-    if origin:
-      writer.message(origin)
+    if took_over:
+      say(took_over)
+    if unfinished:
+      say(f"ignoring {len(unfinished)} unfinished save(s) in {checkpoints.checkpoint_dir(model_dir)} left by a "
+          f"process stopped while saving, to be removed before the next save: {', '.join(unfinished)}")
+    for note in notes:
+      say(note)
     step_fn, eval_fn = steps.jit_train_step(setup), steps.jit_eval_step(setup)
     tokens_per_step = steps.tokens_per_batch(batch_size, task_feature_lengths)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
-    writer.message(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
+    say(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
                    f"global batch {batch_size}, {jax.process_count()} process(es)")
 
     losses, step, window_start = [], int(state.step), time.time()
@@ -143,7 +176,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       state, metrics = step_fn(state, partitioning.global_batch(next(train_iterator), mesh))
       step += 1
       if previous:  # the step before's count: reading it does not wait for the step just dispatched
-        _stop_if_diverging(step - 1, previous, max_skipped_in_a_row, manager, model_dir)
+        _stop_if_diverging(step - 1, previous, max_skipped_in_a_row, saver.manager, model_dir)
       previous = metrics
       if step % log_every_steps == 0 or step == train_steps:
         metrics = jax.device_get(metrics)
@@ -152,6 +185,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         writer.write(step, metrics)
         losses.append(float(metrics["loss"]))
         window_start, window_first_step = time.time(), step
+        saver.check(step, state, train_iterator, run_config.to_json())
       if eval_every_steps and step % eval_every_steps == 0 and data.has_split("validation"):
         rows = [jax.device_get(eval_fn(state.params, partitioning.global_batch(b, mesh)))
                 for b in data.take("validation", eval_steps)]
@@ -159,12 +193,12 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       # Every process calls this at every step; after a SIGTERM to any of them, all return True at one step.
       preempted = multihost_utils.reached_preemption_sync_point(step)
       if step % checkpoint_every_steps == 0 or step == train_steps or preempted:
-        checkpoints.save(manager, step, state, train_iterator, run_config.to_json())
+        saver.save(step, state, train_iterator, run_config.to_json())
     if previous:
-      _stop_if_diverging(step, previous, max_skipped_in_a_row, manager, model_dir)
-    manager.wait_until_finished()
+      _stop_if_diverging(step, previous, max_skipped_in_a_row, saver.manager, model_dir)
+    saver.finish(step, state, train_iterator, run_config.to_json())
     if preempted:
-      writer.message(f"preempted: saved a checkpoint at step {step} in {checkpoints.checkpoint_dir(model_dir)}; "
+      say(f"preempted: saved a checkpoint at step {step} in {checkpoints.checkpoint_dir(model_dir)}; "
                      "the same command resumes there")
   writer.close()
   return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,

@@ -77,6 +77,21 @@ def train(run_name, model_dir, steps, bindings=(), gin_files=()):
   return trainer.train(**cli.bound_arguments(trainer.train))
 
 
+def run_train(capsys, tmp_path, *args):
+  """(exit code, last stderr line) of `python -m pretrain.train args` (MODEL_DIR tmp_path unless given),
+  run in this process: for runs that fail before training."""
+  import gin
+  import pytest
+
+  from pretrain import cli
+  from pretrain import train as train_program
+  gin.clear_config()
+  argv = ["pretrain.train", f"--gin.MODEL_DIR='{tmp_path}'", *args]
+  with pytest.raises(SystemExit) as exited:
+    cli.run("pretrain.train", lambda: train_program.main(argv))
+  return exited.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def logged_losses(model_dir):
   """step -> training loss from metrics.jsonl; a resumed run's rows come later and win."""
   rows = [json.loads(line) for line in (Path(model_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -136,11 +136,23 @@ def _mask_pair(example, seed, *, length, max_predictions, word_start, cls_id, se
   return features
 
 
+def check_pair_lengths(sequence_length) -> None:
+  """masked_positions must be 1 to the input_ids - 3 tokens of A and B: slots beyond those always stay padding."""
+  maskable, predictions = sequence_length["input_ids"] - 3, sequence_length["masked_positions"]
+  if predictions < 1:
+    raise ValueError(f"masked_positions={predictions}: must be at least 1")
+  if predictions > maskable:
+    raise ValueError(f"masked_positions={predictions} is more than the {maskable} tokens of A and B in "
+                     f"input_ids={sequence_length['input_ids']} ([CLS] A [SEP] B [SEP]): input_ids must be at least "
+                     f"{predictions + 3}")
+
+
 def masked_pair_features(dataset: tf.data.Dataset, sequence_length, *, word_start, cls_id: int, sep_id: int,
                          mask_id: int, random_token_min: int, vocab_size: int, label_key: str, rate: float = 0.15,
                          max_ngram: int = 1, whole_word: bool = False) -> tf.data.Dataset:
   """{'tokens_a', 'tokens_b', 'label'} -> `[CLS] A [SEP] B [SEP]` with segment ids and MLM targets,
   padded to sequence_length['input_ids'] and sequence_length['masked_positions']."""
+  check_pair_lengths(sequence_length)
   return _mask_pair(dataset, length=sequence_length["input_ids"], max_predictions=sequence_length["masked_positions"],
                     word_start=tf.constant(word_start, tf.bool), cls_id=cls_id, sep_id=sep_id, label_key=label_key,
                     mask_id=mask_id, random_token_min=random_token_min, vocab_size=vocab_size, rate=rate,

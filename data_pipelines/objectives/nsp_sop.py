@@ -123,6 +123,13 @@ def _attach_plan(example, seed, **plan_kwargs):
   return {**example, "plan": plan, "seed": seed}
 
 
+def pair_budget(input_length: int) -> int:
+  """Tokens of A + B in `[CLS] A [SEP] B [SEP]` of input_length tokens; at least one each."""
+  if input_length < 5:
+    raise ValueError(f"input_ids={input_length} is less than 5, the shortest [CLS] A [SEP] B [SEP]")
+  return input_length - 3
+
+
 def sentence_pairs(dataset: tf.data.Dataset, sequence_length, *, mode: str, short_seq_prob: float = 0.1,
                    random_document_buffer: int = 1000) -> tf.data.Dataset:
   """{'sentences': ragged [s, None]} documents -> {'tokens_a', 'tokens_b', 'label'} pairs whose
@@ -130,7 +137,7 @@ def sentence_pairs(dataset: tf.data.Dataset, sequence_length, *, mode: str, shor
 
   For NSP each document is zipped with a random document from a shuffled copy of the stream.
   """
-  max_num_tokens = sequence_length["input_ids"] - 3
+  max_num_tokens = pair_budget(sequence_length["input_ids"])
   if mode not in (NSP, SOP):
     raise ValueError(f"sentence pair mode={mode!r}: expected {NSP!r} or {SOP!r}")
   # A one-sentence document can only yield a random-next pair (NSP) or nothing (SOP): skip it, or

@@ -34,8 +34,21 @@ def _check(condition: bool, message: str):
 def _pair_length(seq_len: int, reuse_len: int) -> int:
   """Tokens of A + B: the window minus the reuse part, two <sep> and <cls>."""
   _check(reuse_len >= 1, f"reuse_len={reuse_len}: must be at least 1")
-  _check(seq_len - reuse_len - 3 >= 2, f"seq_len={seq_len}, reuse_len={reuse_len}: need seq_len >= reuse_len + 5")
+  _check(seq_len - reuse_len - 3 >= 2, f"seq_len={seq_len} is less than reuse_len + 5 = {reuse_len + 5} (the "
+         f"reuse_len={reuse_len} reused tokens, then A <sep> B <sep> <cls>, at least one token each in A and B)")
   return seq_len - reuse_len - 3
+
+
+def check_lengths(*, seq_len: int, reuse_len: int, perm_size: int, num_predict: int) -> None:
+  """Refuses lengths whose windows cannot be laid out, permuted in blocks or given num_predict targets."""
+  pair_length = _pair_length(seq_len, reuse_len)
+  for name, part_len in (("reuse_len", reuse_len), ("seq_len - reuse_len", seq_len - reuse_len)):
+    _check(perm_size >= 1 and part_len % perm_size == 0, f"perm_size={perm_size}: must divide {name}={part_len}")
+  # `permutation_features` puts ceil(num_predict / 2) targets in the reuse part and the rest in A and B.
+  most = min(2 * reuse_len, 2 * pair_length + 1)
+  _check(0 <= num_predict <= most, f"num_predict={num_predict}: must be 0 to {most}, the most targets that fit: "
+         f"ceil(num_predict / 2) among the reuse_len={reuse_len} reused tokens, the rest among the {pair_length} "
+         "tokens of A and B")
 
 
 # ----------------------------------------------------------------------------- stream -> windows
@@ -331,10 +344,7 @@ def xlnet_permutation_features(dataset: tf.data.Dataset, *, seq_len: int, reuse_
 
   word_start: bool [vocab_size], True for pieces starting with "▁" and for special tokens.
   """
-  _pair_length(seq_len, reuse_len)
-  for name, part_len in (("reuse_len", reuse_len), ("seq_len - reuse_len", seq_len - reuse_len)):
-    _check(perm_size >= 1 and part_len % perm_size == 0, f"perm_size={perm_size}: must divide {name}={part_len}")
-  _check(num_predict >= 0, f"num_predict={num_predict}: must be >= 0")
+  check_lengths(seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict)
   _check(mask_alpha >= mask_beta >= 1, f"mask_alpha={mask_alpha}, mask_beta={mask_beta}: need alpha >= beta >= 1")
   _check(max_ngram >= 1, f"max_ngram={max_ngram}: must be >= 1")
   return _window_features(dataset, seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict,

@@ -35,8 +35,9 @@ class Family(abc.ABC):
     if objective not in self.objectives:
       raise ConfigError(f"the {self.name} family trains on {' or '.join(self.objectives)} examples, the task "
                         f"gives {objective} examples: pair the model and objective gin files of one family")
+    from data_pipelines import tasks  # here: it imports TensorFlow, which a family used without data does not need
     with user_settings():
-      features.schema(objective).check_lengths(objective, feature_lengths)
+      tasks.check_lengths(objective, feature_lengths)
     with_lengths = self._fit_lengths(feature_lengths)
     size = with_lengths.config.vocab_size
     if size is None:

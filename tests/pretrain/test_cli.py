@@ -4,20 +4,11 @@ own main and error handling."""
 import gin
 import pytest
 
+from helpers import run_train
 from pretrain import cli, train, trainer
 
 BERT_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin"
 XLNET_RUN = "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
-
-
-def run_train(capsys, tmp_path, *args):
-  """(exit code, last stderr line) of `python -m pretrain.train args` (MODEL_DIR tmp_path unless given),
-  run in this process."""
-  gin.clear_config()
-  argv = ["pretrain.train", f"--gin.MODEL_DIR='{tmp_path}'", *args]
-  with pytest.raises(SystemExit) as exited:
-    cli.run("pretrain.train", lambda: train.main(argv))
-  return exited.value.code, capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("args, message", [

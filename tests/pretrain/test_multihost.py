@@ -3,18 +3,22 @@ only process 0 reports; a preemption notice to one process makes both save the s
 exit 0; after one process is killed both resume exactly from the last checkpoint.
 
 One two-process run serves all the tests: it trains until process 1 gets SIGTERM, resumes, and trains
-on until process 1 is killed after the next periodic checkpoint.
+on until process 1 is killed after the next periodic checkpoint; a one-process run resumes a copy.
 """
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import gin
 import numpy as np
 import pytest
 
 from helpers import host_devices, logged_losses, module_command, run_module, start_module
+from pretrain import cli
+from pretrain import train as train_program
 
 TRAIN_STEPS = 30
 PREEMPT_AFTER_STEP = 3
@@ -146,3 +150,20 @@ def test_after_a_killed_process_both_resume_from_the_last_checkpoint_exactly(int
   losses = logged_losses(model_dir)
   steps = range(1, TRAIN_STEPS + 1)
   np.testing.assert_allclose([losses[s] for s in steps], [one_process_losses[s] for s in steps], rtol=RTOL)
+
+
+def test_a_resume_on_one_process_reshards_the_state_and_says_where_the_data_starts(interrupted_run, tmp_path, capsys):
+  """Params and optimizer state saved by two processes of two devices resume on one process of one device;
+  the per-process data position cannot continue, and the run says so in one line."""
+  model_dir = tmp_path / "run"
+  shutil.copytree(interrupted_run["model_dir"], model_dir)
+  latest = max(_finished_checkpoints(model_dir))
+  gin.clear_config()
+  capsys.readouterr()
+  cli.run("pretrain.train", lambda: train_program.main(
+      ["pretrain.train", *train_args(model_dir, latest + 1), "--gin.MESH_SHAPE={'data': 1}"]))
+  out = capsys.readouterr().out
+  assert f"resumed from step {latest}" in out
+  assert (f"the data position of step {latest} was saved by 2 process(es) and this run has 1: the input starts "
+          "again from its beginning") in out, out
+  assert max(logged_losses(model_dir)) == latest + 1 and np.isfinite(logged_losses(model_dir)[latest + 1])

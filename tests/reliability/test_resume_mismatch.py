@@ -38,6 +38,15 @@ def test_a_changed_setting_is_named_with_both_values(trained, bindings, named, c
     assert text in last, last
 
 
+def test_another_optimizer_is_named_before_anything_is_restored(trained, capsys):
+  with pytest.raises(SystemExit) as exited:
+    resume(trained, "OPTIMIZER = 'lamb'")
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert exited.value.code == 1, last
+  assert last.startswith("pretrain.train: error: the train state in step 2 has other arrays than this run's") and (
+      "resume with the checkpoint's OPTIMIZER and its settings") in last, last
+
+
 def test_settings_that_may_change_on_resume_do_not_stop_it(trained):
   resume(trained, "LOG_EVERY_STEPS = 1", "LEARNING_RATE = 1e-3", "bert.BertConfig.remat_policy = 'full'",
          "bert.BertConfig.dtype = 'bfloat16'")

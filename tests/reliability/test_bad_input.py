@@ -1,0 +1,108 @@
+"""Bad input ends pretrain.train before any training with one line naming the file, setting or value and
+exit code 1, or is skipped with a warning that counts it. The runs fail early, so they run in this process
+(tests/pretrain/test_cli.py has the bad bindings and flags; tests/data_pipelines the empty and non-UTF-8
+text)."""
+import io
+
+import pytest
+import sentencepiece as spm
+
+from helpers import host_devices, restored, run_module, run_train
+from data_pipelines import sources, tasks
+
+BERT_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin"
+XLNET_RUN = "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
+BART_RUN = "--gin_file=gin_configs/runs/bart_tiny_demo.gin"
+ERROR = "pretrain.train: error: "
+
+
+def test_a_50_mb_line_is_skipped_and_counted_not_tokenized(tmp_path, demo_paths, demo_vocab, capfd):
+  """Tokenizing a line holds hundreds of times its size: a file without line breaks would take gigabytes."""
+  path = tmp_path / "a.txt"
+  path.write_bytes(b"First one.\nFirst two.\n\n" + b"lorem ipsum " * (50 * 2**20 // 12) +
+                   b"\nSecond one.\nSecond two.\n")
+  source = sources.TextDocumentSource({"train": str(path)})
+  documents = [d["text"].decode() for d in source.get_dataset("train", shuffle=False).as_numpy_iterator()]
+  assert documents == ["First one.\nFirst two.", "Second one.\nSecond two."]
+  assert f'warning: skipping 1 line(s) longer than 1048576 bytes in "{path}"' in capfd.readouterr().err
+  name = tasks.text_task("bert_mlm_nsp", train_files=str(path), vocab_model=demo_paths["vocab_model"])
+  dataset = tasks.get_task_or_mixture(name).get_dataset({"input_ids": 32, "masked_positions": 4}, split="train",
+                                                        shuffle=False, num_epochs=1, seed=0)
+  texts = [demo_vocab.tokenizer.decode_ids(restored(example).tolist()) for example in dataset.as_numpy_iterator()]
+  assert texts and not any("lorem" in text for text in texts), texts
+
+
+@pytest.fixture(scope="module")
+def bad_vocabularies(tmp_path_factory, demo_paths):
+  """Kind -> (a VOCAB_MODEL that is no vocabulary of ours, the start of the line naming it)."""
+  where = tmp_path_factory.mktemp("vocabularies")
+  (where / "spm").mkdir()
+  (where / "spm.txt").write_text("[CLS]\n[SEP]\n[MASK]\n")
+  model = io.BytesIO()  # sentencepiece's defaults: no [CLS], [SEP], [MASK], no pad, eos=2
+  spm.SentencePieceTrainer.train(input=demo_paths["validation"], model_writer=model, vocab_size=200,
+                                 input_sentence_size=2000, minloglevel=2)
+  (where / "plain.model").write_bytes(model.getvalue())
+  return {
+      "directory": (f"{where}/spm", f"VOCAB_MODEL='{where}/spm' is a directory: expected the .model file"),
+      "text": (f"{where}/spm.txt", f"VOCAB_MODEL='{where}/spm.txt' is not a sentencepiece model (Error parsing"),
+      "no special pieces": (f"{where}/plain.model", f"VOCAB_MODEL='{where}/plain.model' was not trained with this "
+                            "framework's special pieces (no [CLS] piece, no [SEP] piece, no [MASK] piece, pad id -1, "
+                            "not 0, eos id 2, not 1): train one with `python -m data_pipelines.vocab`"),
+  }
+
+
+@pytest.mark.parametrize("kind", ["directory", "text", "no special pieces"])
+def test_a_vocabulary_that_is_no_model_of_ours_is_named(kind, bad_vocabularies, tmp_path, demo_paths, capsys):
+  vocab_model, message = bad_vocabularies[kind]
+  code, last = run_train(capsys, tmp_path, BERT_RUN, f"--gin.TRAIN_FILES='{demo_paths['validation']}'",
+                         f"--gin.VOCAB_MODEL='{vocab_model}'")
+  assert code == 1 and last.startswith(ERROR + message), last
+
+
+def test_train_files_naming_a_directory_is_named(tmp_path, capsys):
+  (tmp_path / "text").mkdir()
+  (tmp_path / "text" / "a.txt").write_text("One.\nTwo.\n")
+  code, last = run_train(capsys, tmp_path / "run", BERT_RUN, f"--gin.TRAIN_FILES='{tmp_path}/text'")
+  assert code == 1 and last == (f"{ERROR}TRAIN_FILES='{tmp_path}/text' matches the directory {tmp_path}/text: expected "
+                                f"text files, e.g. TRAIN_FILES='{tmp_path}/text/*.txt'"), last
+
+
+@pytest.mark.parametrize("args, message", [
+    ([BERT_RUN, "--gin.TASK_FEATURE_LENGTHS={'input_ids': 8, 'masked_positions': 20}"],
+     "TASK_FEATURE_LENGTHS={'input_ids': 8, 'masked_positions': 20} do not fit the bert_mlm_nsp objective: "
+     "masked_positions=20 is more than the 5 tokens of A and B in input_ids=8 ([CLS] A [SEP] B [SEP]): input_ids must "
+     "be at least 23"),
+    ([BERT_RUN, "--gin.TASK_FEATURE_LENGTHS={'input_ids': 4, 'masked_positions': 1}"],
+     "input_ids=4 is less than 5, the shortest [CLS] A [SEP] B [SEP]"),
+    (["--gin_file=gin_configs/runs/albert_tiny_demo.gin",
+      "--gin.TASK_FEATURE_LENGTHS={'input_ids': 128, 'masked_positions': 0}"],
+     "do not fit the albert_mlm_sop objective: masked_positions=0: must be at least 1"),
+    ([XLNET_RUN, "--gin.SEQ_LEN=32"],
+     "TASK_FEATURE_LENGTHS={'input_ids': 32, 'target_ids': 21, 'reuse_len': 64} do not fit the xlnet_plm objective: "
+     "seq_len=32 is less than reuse_len + 5 = 69"),
+    ([XLNET_RUN, "--gin.NUM_PREDICT=200"],
+     "do not fit the xlnet_plm objective: num_predict=200: must be 0 to 123, the most targets that fit"),
+    ([BART_RUN, "--gin.TASK_FEATURE_LENGTHS={'encoder_input_ids': 2, 'decoder_input_ids': 128}"],
+     "do not fit the bart_denoising objective: denoising: encoder_length=2 / decoder_length=128 leave no room"),
+], ids=["bert masked_positions", "bert input_ids", "albert masked_positions", "xlnet seq_len", "xlnet num_predict",
+        "bart encoder"])
+def test_lengths_too_short_for_the_objective_are_named_with_the_minimum(args, message, tmp_path, capsys):
+  code, last = run_train(capsys, tmp_path, *args)
+  assert code == 1 and last.startswith(ERROR) and message in last, last
+
+
+@pytest.mark.parametrize("args, message", [
+    ([BERT_RUN, "--gin.MICROBATCHES=3"], "BATCH_SIZE=32 is not divisible by MICROBATCHES=3"),
+    ([BERT_RUN, "--gin.DATA_SHARDS=3"], "BATCH_SIZE=32 is not divisible by the 3 data shards"),
+], ids=["MICROBATCHES", "DATA_SHARDS"])
+def test_a_batch_size_that_does_not_split_evenly_is_named(args, message, tmp_path, capsys):
+  code, last = run_train(capsys, tmp_path, *args)
+  assert code == 1 and last.startswith(ERROR + message), last
+
+
+@pytest.mark.slow  # a process of its own, for two devices
+def test_a_batch_size_the_data_parallel_groups_do_not_divide_is_named(tmp_path):
+  result = run_module("pretrain.train", BERT_RUN, f"--gin.MODEL_DIR='{tmp_path}'", "--gin.MESH_SHAPE={'data': 2}",
+                      "--gin.BATCH_SIZE=31", env=host_devices(2))
+  assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+      f"{ERROR}BATCH_SIZE=31 is not divisible by MICROBATCHES=1 × the mesh's 2 data-parallel groups"), result.stderr

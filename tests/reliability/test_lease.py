@@ -1,0 +1,63 @@
+"""One run per MODEL_DIR: a second run refuses to start while the first one's lease is fresh; the lease of
+a run that died (stale, or its process gone from this host) is taken over with a line saying so."""
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import gin
+import pytest
+
+from helpers import ROOT, small_bert_flags
+from pretrain import cli, lease
+from pretrain import train as train_program
+
+
+def test_a_second_run_on_a_held_model_dir_fails_with_one_line(tmp_path, capsys):
+  first = lease.Lease(str(tmp_path), heartbeat_seconds=0.2)
+  assert first.acquire() is None
+  try:
+    beat = json.loads(first.path.read_text())["heartbeat"]
+    time.sleep(0.5)
+    assert json.loads(first.path.read_text())["heartbeat"] > beat  # the holder keeps it fresh
+    gin.clear_config()
+    with pytest.raises(SystemExit) as exited:
+      cli.run("pretrain.train", lambda: train_program.main(["pretrain.train", *small_bert_flags(tmp_path, 2)]))
+    assert exited.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"pretrain.train: error: {tmp_path} is in use by another run (host {socket.gethostname()}"
+                           ), last
+  finally:
+    first.release()
+  assert not first.path.exists()  # released: the next run starts
+
+
+def test_a_stale_lease_from_another_host_is_taken_over(tmp_path):
+  (tmp_path / lease.LEASE_FILE).write_text(json.dumps({"host": "gone-host", "pid": 1, "heartbeat": time.time() - 61}))
+  taker = lease.Lease(str(tmp_path))
+  note = taker.acquire()
+  taker.release()
+  assert note == (f"took over the lease of {tmp_path} from a run that stopped without releasing it "
+                  "(host gone-host, pid 1)")
+
+
+def test_a_fresh_lease_from_another_host_is_respected(tmp_path):
+  (tmp_path / lease.LEASE_FILE).write_text(json.dumps({"host": "busy-host", "pid": 1, "heartbeat": time.time() - 5}))
+  with pytest.raises(lease.ConfigError, match="in use by another run \\(host busy-host, pid 1, last heartbeat 5 s ago"):
+    lease.Lease(str(tmp_path)).acquire()
+
+
+def test_the_lease_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_path):
+  holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pretrain import lease; "
+                             "lease.Lease(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(600)",
+                             str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "held"
+  held_by = json.loads((tmp_path / lease.LEASE_FILE).read_text())
+  with pytest.raises(lease.ConfigError, match=f"pid {held_by['pid']}"):
+    lease.Lease(str(tmp_path)).acquire()
+  holder.kill()
+  holder.wait()
+  taker = lease.Lease(str(tmp_path))
+  assert f"pid {held_by['pid']}" in taker.acquire()
+  taker.release()

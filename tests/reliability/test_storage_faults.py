@@ -1,0 +1,55 @@
+"""Storage that refuses a checkpoint: a passing fault is retried until the save lands; a lasting one
+stops the run with one line saying which step is not saved and which is. The fault is real: the
+checkpoint directory is made immutable (chattr +i), which refuses even root's writes."""
+import subprocess
+import threading
+import time
+
+import pytest
+
+from helpers import SMALL_BERT, train
+from pretrain import trainer
+from pretrain.errors import TrainingStopped
+
+
+def immutable(path, on: bool):
+  subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True, capture_output=True)
+
+
+def test_a_passing_fault_is_retried_and_a_lasting_one_stops_the_run(tmp_path, monkeypatch, capsys):
+  """Storage refuses the step-2 save for about a second (retried: it lands), then refuses for good."""
+  checkpoints_dir = tmp_path / "checkpoints"
+  lines = []
+
+  def said(text):  # the run's own lines, watched to time the fault
+    lines.append(text)
+    print(text)
+    if "failed" in text and len(lines_with("failed")) == 1:
+      threading.Timer(0.5, immutable, (checkpoints_dir, False)).start()  # before the 1 s retry
+    if text.startswith("saved step"):
+      immutable(checkpoints_dir, True)
+
+  def lines_with(word):
+    return [line for line in lines if word in line]
+
+  monkeypatch.setattr(trainer, "say", said)
+
+  def refuse_once_made():  # the run makes the directory at its start, long before its first save
+    while not checkpoints_dir.is_dir():
+      time.sleep(0.01)
+    immutable(checkpoints_dir, True)
+
+  threading.Thread(target=refuse_once_made, daemon=True).start()
+  try:
+    with pytest.raises(TrainingStopped) as stopped:
+      train("bert_tiny_demo", tmp_path, 6, SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 2", "SAVE_ATTEMPTS = 2"])
+  finally:
+    immutable(checkpoints_dir, False)
+  retried = lines_with("failed")
+  assert "saving step 2 in 1 s (attempt 1 of 2)" in retried[0] and "PermissionError" in retried[0], retried
+  assert lines_with("saved step") == [f"saved step 2 in {checkpoints_dir}"]
+  assert len(retried) == 3 and all("saving step 4" in line for line in retried[1:]), retried
+  message = str(stopped.value)
+  assert message.startswith(f"cannot write checkpoints in {checkpoints_dir} (PermissionError") and "\n" not in message
+  assert "the train state of step 4 is NOT saved; the newest saved checkpoint is step 2" in message
+  assert sorted(p.name for p in checkpoints_dir.iterdir() if p.name.isdigit()) == ["2"]

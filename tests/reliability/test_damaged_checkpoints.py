@@ -14,14 +14,15 @@ from helpers import ROOT, SMALL_BERT, train
 from pretrain import checkpoints
 from pretrain.errors import TrainingStopped
 
-BINDINGS = SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 2"]
+BINDINGS = SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 1", "KEEP_CHECKPOINTS = 10"]
+STEPS = 7
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """A run with checkpoints at steps 2 and 4."""
+  """A run with a checkpoint at every one of its STEPS steps."""
   model_dir = tmp_path_factory.mktemp("trained") / "run"
-  train("bert_tiny_demo", model_dir, 4, BINDINGS)
+  train("bert_tiny_demo", model_dir, STEPS, BINDINGS)
   return model_dir
 
 
@@ -44,42 +45,47 @@ def truncate(path):
   path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
 
 
-DAMAGE = {
-    "a flipped bit in array data": (lambda step: flip_a_bit(largest_array_file(step)), "checksum mismatch"),
-    "truncated array data": (lambda step: truncate(largest_array_file(step)), "unreadable"),
-    "a broken state metadata file": (lambda step: truncate(step / "state" / "_METADATA"), "unreadable"),
-    "a missing state directory": (lambda step: shutil.rmtree(step / "state"), "unreadable"),
-    "a garbage data-iterator file": (
-        lambda step: next((step / "data_iterator").glob("process_0.data*")).write_bytes(b"garbage" * 99), "unreadable"),
-    "a broken run config": (lambda step: truncate(step / "run_config" / "metadata"), "run_config is unreadable"),
-}
+# Newest first: steps 7 to 2 each get one kind of damage, so a resume walks back through all six to step 1.
+DAMAGE = [
+    ("a flipped bit in array data", lambda step: flip_a_bit(largest_array_file(step)), "checksum mismatch"),
+    ("truncated array data", lambda step: truncate(largest_array_file(step)), "unreadable"),
+    ("a broken state metadata file", lambda step: truncate(step / "state" / "_METADATA"), "unreadable"),
+    ("a missing state directory", lambda step: shutil.rmtree(step / "state"), "unreadable"),
+    ("a garbage data-iterator file",
+     lambda step: next((step / "data_iterator").glob("process_0.data*")).write_bytes(b"garbage" * 99), "unreadable"),
+    ("a broken run config", lambda step: truncate(step / "run_config" / "metadata"), "run_config is unreadable"),
+]
 
 
-@pytest.mark.parametrize("damage", DAMAGE)
-def test_a_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_resumes(damage, trained, tmp_path,
-                                                                                    capsys):
+def test_damaged_newest_checkpoints_are_named_set_aside_and_the_newest_intact_one_resumes(trained, tmp_path, capsys):
   model_dir = copy_of(trained, tmp_path)
-  make_damage, what = DAMAGE[damage]
-  make_damage(model_dir / "checkpoints" / "4")
+  damaged_steps = list(range(STEPS, STEPS - len(DAMAGE), -1))
+  for step, (_, make_damage, _) in zip(damaged_steps, DAMAGE):
+    make_damage(model_dir / "checkpoints" / str(step))
   capsys.readouterr()
-  summary = train("bert_tiny_demo", model_dir, 2, BINDINGS)  # resumes at 2 of 2: restores, runs no step
+  intact = STEPS - len(DAMAGE)
+  summary = train("bert_tiny_demo", model_dir, intact, BINDINGS)  # resumes at the end: restores, runs no step
   out = capsys.readouterr().out
-  assert summary["steps"] == 2
+  assert summary["steps"] == intact
   named = [line for line in out.splitlines() if "is damaged" in line]
-  assert len(named) == 1 and f"checkpoint {model_dir / 'checkpoints' / '4'} is damaged" in named[0], out
-  assert what in named[0] and f"set aside in {model_dir / 'damaged' / '4'}" in named[0], named
-  assert f"resumed from step 2 in {model_dir / 'checkpoints'}" in out
-  assert (model_dir / "damaged" / "4").is_dir() and not (model_dir / "checkpoints" / "4").exists()
+  assert len(named) == len(DAMAGE), out
+  for line, step, (kind, _, what) in zip(named, damaged_steps, DAMAGE):
+    assert line.startswith(f"checkpoint {model_dir / 'checkpoints' / str(step)} is damaged"), line
+    assert what in line, (kind, line)
+    assert line.endswith(f"set aside in {model_dir / 'damaged' / str(step)}"), line
+  assert f"resumed from step {intact} in {model_dir / 'checkpoints'}" in out
+  assert sorted(int(p.name) for p in (model_dir / "damaged").iterdir()) == sorted(damaged_steps)
+  assert [p.name for p in (model_dir / "checkpoints").iterdir() if p.name.isdigit()] == [str(intact)]
 
 
 def test_with_no_intact_checkpoint_the_run_stops_and_moves_nothing(trained, tmp_path):
   model_dir = copy_of(trained, tmp_path)
-  for step in (2, 4):
+  for step in range(1, STEPS + 1):
     flip_a_bit(largest_array_file(model_dir / "checkpoints" / str(step)))
-  with pytest.raises(TrainingStopped, match=r"no checkpoint in .* can be restored \(step 4: .*checksum mismatch.*; "
-                                            r"step 2: .*checksum mismatch.*\); nothing was moved or deleted"):
-    train("bert_tiny_demo", model_dir, 6, BINDINGS)
-  assert sorted(p.name for p in (model_dir / "checkpoints").iterdir()) == ["2", "4"]
+  stopped = rf"no checkpoint in .* can be restored \(step {STEPS}: .*checksum mismatch.*; step 1: .*checksum mismatch"
+  with pytest.raises(TrainingStopped, match=stopped + r".*\); nothing was moved or deleted"):
+    train("bert_tiny_demo", model_dir, STEPS + 2, BINDINGS)
+  assert sorted(int(p.name) for p in (model_dir / "checkpoints").iterdir()) == list(range(1, STEPS + 1))
 
 
 SAVE_IN_A_LOOP = """

@@ -90,7 +90,7 @@ def save(manager: ocp.CheckpointManager, step: int, state, data_iterator, run_co
 class Saver:
   """Saves a run's train states through an orbax manager, and makes sure that they land.
 
-  A save runs in the background; whether it landed is checked after each step (`check`), at the next
+  A save runs in the background; whether it landed is checked after each logged step (`check`), at the next
   save and at the end (`finish`). When one failed, or could not start, the state in hand is saved
   again through a new manager, after waits that double from `first_wait` seconds, up to `attempts`
   times. If storage still refuses, TrainingStopped says which step is not saved and which is the

@@ -97,49 +97,52 @@ class Saver:
   newest that is: a run never goes on believing that it checkpoints when it does not.
   """
 
-  def __init__(self, model_dir: str, max_to_keep: int, say, attempts: int = 4, first_wait: float = 1.0):
+  def __init__(self, model_dir: str, max_to_keep: int, data_iterator, run_config: dict, say, attempts: int = 4,
+               first_wait: float = 1.0):
     self.model_dir, self.max_to_keep, self.say = model_dir, max_to_keep, say
+    self.data_iterator, self.run_config = data_iterator, run_config  # saved with every state
     self.attempts, self.first_wait = attempts, first_wait
     self.manager = make_manager(model_dir, max_to_keep)
 
-  def save(self, step: int, state, data_iterator, run_config: dict) -> None:
-    self._confirmed(lambda: (self.manager.wait_until_finished(),
-                             save(self.manager, step, state, data_iterator, run_config)),
-                    step, state, data_iterator, run_config)
+  def save(self, step: int, state) -> None:
+    self._confirmed(lambda: (self.manager.wait_until_finished(), self._save(step, state)), step, state)
 
-  def check(self, step: int, state, data_iterator, run_config: dict) -> None:
+  def check(self, step: int, state) -> None:
     """Cheap: if the last save failed, saves this step now."""
-    self._confirmed(self.manager.check_for_errors, step, state, data_iterator, run_config)
+    self._confirmed(self.manager.check_for_errors, step, state)
 
-  def finish(self, step: int, state, data_iterator, run_config: dict) -> None:
+  def finish(self, step: int, state) -> None:
     """Waits for the last save; if it failed, saves this step now."""
-    self._confirmed(self.manager.wait_until_finished, step, state, data_iterator, run_config)
+    self._confirmed(self.manager.wait_until_finished, step, state)
 
-  def _confirmed(self, action, step, state, data_iterator, run_config) -> None:
+  def _save(self, step: int, state) -> None:
+    save(self.manager, step, state, self.data_iterator, self.run_config)
+
+  def _confirmed(self, action, step: int, state) -> None:
     try:
       action()
       error = None
     except WRITE_ERRORS as e:
       error = e
     if distributed.any_process(error is not None):  # every process saves again, or none
-      self._save_again(step, state, data_iterator, run_config, error)
+      self._save_again(step, state, _described(error) if error is not None else "on another process")
 
-  def _save_again(self, step, state, data_iterator, run_config, error) -> None:
+  def _save_again(self, step: int, state, failure: str) -> None:
     where, wait = checkpoint_dir(self.model_dir), self.first_wait
     for attempt in range(1, self.attempts + 1):
-      self.say(f"saving a checkpoint in {where} failed ({_described(error)}); saving step {step} in "
+      self.say(f"saving a checkpoint in {where} failed ({failure}); saving step {step} in "
                f"{wait:.0f} s (attempt {attempt} of {self.attempts})")
       time.sleep(wait)
       wait *= 2
       try:
         self._reopen()
-        save(self.manager, step, state, data_iterator, run_config)
+        self._save(step, state)
         self.manager.wait_until_finished()
         self.say(f"saved step {step} in {where}")
         return
       except WRITE_ERRORS as e:
-        error = e
-    raise TrainingStopped(f"cannot write checkpoints in {where} ({_described(error)}): the train state of step "
+        failure = _described(e)
+    raise TrainingStopped(f"cannot write checkpoints in {where} ({failure}): the train state of step "
                           f"{step} is NOT saved; the newest saved checkpoint is step {_newest_step(where)}. "
                           "Fix the storage (space, permissions), then resume")
 

@@ -153,8 +153,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)
-    saver = checkpoints.Saver(model_dir, keep_checkpoints, say, save_attempts)
     train_iterator = data.iterator("train")
+    saver = checkpoints.Saver(model_dir, keep_checkpoints, train_iterator, run_config.to_json(), say, save_attempts)
     state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed)
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
     if took_over:
@@ -185,7 +185,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         writer.write(step, metrics)
         losses.append(float(metrics["loss"]))
         window_start, window_first_step = time.time(), step
-        saver.check(step, state, train_iterator, run_config.to_json())
+        saver.check(step, state)
       if eval_every_steps and step % eval_every_steps == 0 and data.has_split("validation"):
         rows = [jax.device_get(eval_fn(state.params, partitioning.global_batch(b, mesh)))
                 for b in data.take("validation", eval_steps)]
@@ -193,10 +193,10 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       # Every process calls this at every step; after a SIGTERM to any of them, all return True at one step.
       preempted = multihost_utils.reached_preemption_sync_point(step)
       if step % checkpoint_every_steps == 0 or step == train_steps or preempted:
-        saver.save(step, state, train_iterator, run_config.to_json())
+        saver.save(step, state)
     if previous:
       _stop_if_diverging(step, previous, max_skipped_in_a_row, saver.manager, model_dir)
-    saver.finish(step, state, train_iterator, run_config.to_json())
+    saver.finish(step, state)
     if preempted:
       say(f"preempted: saved a checkpoint at step {step} in {checkpoints.checkpoint_dir(model_dir)}; "
                      "the same command resumes there")

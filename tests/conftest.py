@@ -1,15 +1,24 @@
-"""Shared test setup: JAX on the CPU, and one demo corpus + sentencepiece model for every session.
+"""Shared test setup: JAX on the CPU, one demo corpus + sentencepiece model for every session, and one
+JAX compilation cache per session.
 
-The cache lives in the system temp dir (not a per-session dir) so the ~15 s build happens once per
-machine; the builder writes atomically, so concurrent sessions are safe. Set at import time so
-subprocesses started by tests inherit it.
+The demo corpus lives in the system temp dir (not a per-session dir) so the ~15 s build happens once per
+machine; the builder writes atomically, so concurrent sessions are safe. The compilation cache is JAX's
+own persistent cache, in a directory of this session: the many tests that train the same tiny models
+(a run and its resume, each process of a multi-process run) compile each program once, while every
+session still starts cold, as CI does. All are set at import time so that subprocesses inherit them.
 """
 import os
+import shutil
 import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_SESSION_COMPILATION_CACHE = None  # set when this session made it (and so removes it)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _SESSION_COMPILATION_CACHE = tempfile.mkdtemp(prefix="pod_pretrain_jax_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_COMPILATION_CACHE
+  os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ.setdefault("POD_PRETRAIN_CACHE", os.path.join(tempfile.gettempdir(), "pod_pretrain_test_cache"))
 
 
@@ -38,3 +47,8 @@ def demo_vocab(demo_paths):
   """The demo seqio.SentencePieceVocabulary."""
   from data_pipelines import vocab
   return vocab.load_vocabulary(demo_paths["vocab_model"])
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _SESSION_COMPILATION_CACHE:
+    shutil.rmtree(_SESSION_COMPILATION_CACHE, ignore_errors=True)

@@ -27,6 +27,8 @@ setuptools.setup(
         # torch is pinned to the CPU wheel available offline; a range would pull a CUDA build.
         "test": ["pytest>=8", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4"],
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],
+        # TensorBoard's profile tab, for PROFILE_STEPS traces; 2.24 is a shim over xprof, fine with tensorboard 2.21.
+        "profile": ["tensorboard-plugin-profile>=2.24,<3"],
         # Pinned: a new release may add checks or format differently.
         "lint": ["ruff==0.17.6", "yapf==0.43.0"],
     },

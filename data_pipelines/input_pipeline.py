@@ -9,9 +9,11 @@ With `bi_data` (XLNet), odd shards read the backward task (`<task>_backward`) of
 them: each forward row is paired with the same text read right to left.
 
 A mixture samples its tasks with a seed of its own per shard, so the rows of a batch do not all
-draw the same task at once.
+draw the same task at once. Each shard has its own iterator, saved on its own: the data position
+of a run does not depend on how many processes read it (`ShardIterators`).
 """
-from typing import Iterator, Mapping, Optional
+import os
+from typing import Dict, Iterator, List, Mapping, Optional
 
 import jax
 import numpy as np
@@ -90,28 +92,64 @@ class InputPipeline:
               f"shards, so each shard reads all of them: {per_host / 2**30:.1f} GiB per host per pass. "
               f"Split the text into {num_shards} files: python -m data_pipelines.split_text --num_files={num_shards}")
 
-  def dataset(self, split: str, shuffle: bool, repeat: bool) -> tf.data.Dataset:
+  def shard_datasets(self, split: str, shuffle: bool, repeat: bool) -> Dict[int, tf.data.Dataset]:
+    """Data shard index -> batches of its rows, for each data shard this process reads."""
     rows_per_shard = self.host_batch_size // self.shards_per_process
-    parts = []
     shuffle = shuffle and not tasks.continues_across_examples(self.task)
-    for i in range(self.shards_per_process):
-      task_name, shard = self.data_shard(self.process_index * self.shards_per_process + i)
+    datasets, first = {}, self.process_index * self.shards_per_process
+    for index in range(first, first + self.shards_per_process):
+      task_name, shard = self.data_shard(index)
       shard_seed = int(np.random.SeedSequence((self.seed, shard.index)).generate_state(1)[0])
       ds = tasks.get_dataset(seqio.get_mixture_or_task(task_name), self.feature_lengths,
                              features=self.converter.model_features, split=split, shuffle=shuffle,
                              num_epochs=None if repeat else 1, shard_info=shard, seed=shard_seed)
-      parts.append(self.converter(ds, self.feature_lengths).batch(rows_per_shard, drop_remainder=True))
-    if len(parts) == 1:
-      return parts[0].prefetch(2)
-    joined = tf.data.Dataset.zip(tuple(parts)).map(
-        lambda *batches: {k: tf.concat([b[k] for b in batches], 0) for k in batches[0]})
-    return joined.prefetch(2)
+      datasets[index] = self.converter(ds, self.feature_lengths).batch(rows_per_shard, drop_remainder=True)
+    return datasets
 
-  def iterator(self, split: str = "train") -> Iterator:
-    """A tf.data iterator (checkpointable with tf.train.Checkpoint) of numpy-convertible batches."""
-    return iter(self.dataset(split, shuffle=True, repeat=True))
+  def iterator(self, split: str = "train") -> "ShardIterators":
+    """This process's batches, read on: one iterator per data shard, each of which can be saved and restored."""
+    datasets = self.shard_datasets(split, shuffle=True, repeat=True)
+    return ShardIterators({index: iter(ds.prefetch(2)) for index, ds in datasets.items()}, self.num_data_shards)
 
   def take(self, split: str, num_batches: int):
     """The same first `num_batches` batches every call: a fixed held-out set for evaluation."""
-    for batch in self.dataset(split, shuffle=False, repeat=True).take(num_batches):
-      yield {k: np.asarray(v) for k, v in batch.items()}
+    parts = list(self.shard_datasets(split, shuffle=False, repeat=True).values())
+    for batches in tf.data.Dataset.zip(tuple(parts)).take(num_batches):
+      yield {k: np.concatenate([np.asarray(b[k]) for b in batches]) for k in batches[0]}
+
+
+class ShardIterators:
+  """A process's batches as one tf.data iterator per data shard, in shard order.
+
+  Where a shard stands is saved in a file of its own (`shard_<index>_of_<count>`), so a run saved by N
+  processes continues each shard's stream exactly on M processes, as long as the data shards are the
+  same: the global batch is made of the same shards whichever process reads them.
+  """
+
+  def __init__(self, iterators: Mapping[int, Iterator], num_shards: int):
+    self.iterators, self.num_shards = dict(iterators), num_shards
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    batches = [next(iterator) for iterator in self.iterators.values()]
+    if len(batches) == 1:
+      return {k: np.asarray(v) for k, v in batches[0].items()}
+    return {k: np.concatenate([np.asarray(b[k]) for b in batches]) for k in batches[0]}
+
+  def _file(self, directory, index: int) -> str:
+    return os.path.join(str(directory), f"shard_{index}_of_{self.num_shards}")
+
+  def save(self, directory) -> None:
+    for index, iterator in self.iterators.items():
+      tf.train.Checkpoint(iterator=iterator).write(self._file(directory, index))
+
+  def restore(self, directory) -> List[int]:
+    """Restores every shard's position if all were saved; returns the shards that were not (then none is
+    restored, and the stream starts from its beginning)."""
+    missing = [index for index in self.iterators if not tf.io.gfile.exists(self._file(directory, index) + ".index")]
+    if not missing:
+      for index, iterator in self.iterators.items():
+        tf.train.Checkpoint(iterator=iterator).read(self._file(directory, index)).assert_consumed()
+    return missing

@@ -9,13 +9,24 @@
           [--branch]) and runs `pip install -e ".[tpu]"` there.
   run     runs `python3 -m pretrain.train --gin_file=... --gin.MODEL_DIR="gs://..." [--gin.KEY=VALUE...]
           [args after --]` on every host; output goes to ~/pod-pretrain.log on each host and is
-          followed here. With --restart_on_preemption a lost slice is deleted, recreated, set up and
-          the run started again (training resumes from the latest checkpoint in --model_dir), at most
-          --max_restarts times.
+          followed here. With --restart_on_preemption a preempted or lost slice is deleted, recreated,
+          set up and the run started again, at most --max_restarts times (see "Preemption" below).
   status  describes the slice; logs prints (or --follow-s) the log of --worker (default 0);
   delete  deletes the slice.
 
 --dry_run prints every gcloud command instead of running it.
+
+Preemption: on a preemption notice (SIGTERM) the trainer saves the step it reached and exits 0, so a
+preempted slice costs no trained steps, only the time to recreate it, set it up and compile again;
+training resumes from that checkpoint in --model_dir. When the run ends, `run --restart_on_preemption`
+tells a preemption from the slice's state, not from the exit code:
+  - a passing state (STOPPING, REPAIRING, RESTARTING, ...) is polled every --poll_seconds until it
+    settles; after --max_settle_seconds (default 1800) it stops with an error;
+  - READY (ACTIVE with --queued) is looked at again after --preemption_grace_seconds (default 90,
+    0 = don't), because the run ends during GCE's 30 s preemption notice, before the TPU API shows it;
+    a slice still READY then means the run ended by itself: finished (exit 0) or failed (not restarted);
+  - PREEMPTED or TERMINATED (SUSPENDING, SUSPENDED or FAILED with --queued), or a slice that no longer
+    exists, is recreated and the run started again.
 """
 import argparse
 import pathlib
@@ -38,9 +49,16 @@ LOCAL_TREE_EXCLUDES = (".venv", ".git", "__pycache__", "*.egg-info", ".pytest_ca
 # `python` may not exist on TPU VM images (Ubuntu ships only python3).
 REMOTE_PYTHON = "python3"
 
+# States in which the slice's hosts are up.
+UP_TPU_VM_STATES = frozenset({"READY"})
+UP_QUEUED_RESOURCE_STATES = frozenset({"ACTIVE"})
 # States meaning the slice is gone for good and must be recreated.
 LOST_TPU_VM_STATES = frozenset({"PREEMPTED", "TERMINATED"})
 LOST_QUEUED_RESOURCE_STATES = frozenset({"SUSPENDING", "SUSPENDED", "FAILED"})
+# Stopped by someone (`tpu-vm stop`): settled, but neither up nor for the launcher to recreate.
+STOPPED_STATE = "STOPPED"
+# Any other state (STOPPING, REPAIRING, RESTARTING, STARTING, CREATING, DELETING, PROVISIONING...) is
+# passing: the slice is on its way to up, stopped or lost, and `run` waits to see which before deciding.
 
 _ACCELERATOR_TYPE = re.compile(r"v\d+[a-z]*-\d+")  # v3-512, v4-128, v5p-8, v5litepod-16, v6e-8
 _SLICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -70,7 +88,8 @@ def _parser() -> _OneLineErrorParser:
   p.add_argument("--preemptible", action="store_true")
   p.add_argument("--queued", action="store_true", help="create the slice through a queued resource")
   p.add_argument("--poll_seconds", type=float, default=30.0,
-                 help="how often to check whether a queued resource became ACTIVE")
+                 help="how often to check the state of a slice being waited for (a queued resource "
+                      "becoming ACTIVE, a STOPPING slice settling)")
   p.add_argument("--dry_run", action="store_true")
   p.add_argument("--repo_url", help="setup: git clone this instead of copying the local tree")
   p.add_argument("--branch", help="setup: branch or tag of --repo_url")
@@ -79,6 +98,12 @@ def _parser() -> _OneLineErrorParser:
   p.add_argument("--model_dir", help="run: gs:// directory for checkpoints and metrics")
   p.add_argument("--restart_on_preemption", action="store_true")
   p.add_argument("--max_restarts", type=int, default=10)
+  p.add_argument("--preemption_grace_seconds", type=float, default=90.0,
+                 help="run: when the run ends on a READY slice, look at it again after this long before "
+                      "deciding it was not preempted (GCE gives 30 s of notice); 0 = don't look again")
+  p.add_argument("--max_settle_seconds", type=float, default=1800.0,
+                 help="run: how long to wait for a slice in a passing state (STOPPING, REPAIRING...) to "
+                      "become READY or lost")
   p.add_argument("--worker", default="0", help="logs: which host's log to print")
   p.add_argument("--follow", action="store_true", help="logs: keep printing new lines")
   return p
@@ -111,8 +136,8 @@ def _problem_with(args: argparse.Namespace, extra: list[str]) -> str | None:
     return "--preemptible is not available with --queued; use --spot"
   if args.branch and not args.repo_url:
     return "--branch needs --repo_url"
-  if args.max_restarts < 0 or args.poll_seconds < 0:
-    return "--max_restarts and --poll_seconds must be >= 0"
+  if min(args.max_restarts, args.poll_seconds, args.preemption_grace_seconds, args.max_settle_seconds) < 0:
+    return "--max_restarts, --poll_seconds, --preemption_grace_seconds and --max_settle_seconds must be >= 0"
   if args.command == "run":
     if not (args.model_dir or "").startswith("gs://"):
       return (f"--model_dir must be a gs:// URL so every host reads and writes the same checkpoints "
@@ -206,19 +231,60 @@ def train_command(args, extra: list[str]) -> str:
           f"tail -n +1 -f --pid=$pid {REMOTE_LOG}; wait $pid")
 
 
+def _up_states(args) -> frozenset[str]:
+  return UP_QUEUED_RESOURCE_STATES if args.queued else UP_TPU_VM_STATES
+
+
+def _lost_states(args) -> frozenset[str]:
+  return LOST_QUEUED_RESOURCE_STATES if args.queued else LOST_TPU_VM_STATES
+
+
+def _settled_state(args, runner: gcloud.Runner) -> str | None:
+  """The slice's state once it is up or lost (None: gone), polling while it is in a passing state."""
+  deadline = time.monotonic() + args.max_settle_seconds
+  state, reported = _state(args, runner), None
+  while state is not None and state not in _up_states(args) | _lost_states(args) | {STOPPED_STATE}:
+    if state != reported:
+      print(f"slice {args.name} is {state}; waiting for it to settle", flush=True)
+      reported = state
+    if time.monotonic() >= deadline:
+      raise LaunchError(f"slice {args.name} is still {state} after {args.max_settle_seconds:g} s "
+                        f"(--max_settle_seconds); not restarting")
+    time.sleep(args.poll_seconds)
+    state = _state(args, runner)
+  return state
+
+
+def _state_after_run(args, code: int, runner: gcloud.Runner) -> str | None:
+  """The settled state of the slice the run just ended on, given time to show a preemption."""
+  state = _settled_state(args, runner)
+  if state in _up_states(args) and args.preemption_grace_seconds > 0:
+    # A preemption notice gives the hosts ~30 s before they stop; the trainer saves and exits 0 (or
+    # ssh drops) within them, while the TPU API still says READY. Only a later look tells them apart.
+    print(f"run exited with code {code} on a {state} slice; looking again in "
+          f"{args.preemption_grace_seconds:g} s in case it is being preempted", flush=True)
+    time.sleep(args.preemption_grace_seconds)
+    state = _settled_state(args, runner)
+  return state
+
+
 def run(args, extra: list[str], runner: gcloud.Runner) -> int:
   command = gcloud.ssh(_target(args), train_command(args, extra))
   restarts = 0
   while True:
     code = runner.run(command)
-    if not args.restart_on_preemption:
+    if not args.restart_on_preemption or runner.dry_run:  # a dry run has no slice to look at
       return code
-    state = _state(args, runner)
-    lost = LOST_QUEUED_RESOURCE_STATES if args.queued else LOST_TPU_VM_STATES
-    if state is not None and state not in lost:
-      if code != 0:  # a training failure, not a preemption: restarting would only repeat it
+    state = _state_after_run(args, code, runner)
+    if state in _up_states(args):
+      if code == 0:
+        print(f"run finished (slice {args.name} is still {state})", flush=True)
+      else:  # a training failure, not a preemption: restarting would only repeat it
         print(f"launch.tpu: run exited with code {code} on a {state} slice; not restarting", file=sys.stderr)
       return code
+    if state == STOPPED_STATE:
+      raise LaunchError(f"slice {args.name} was stopped, not preempted; not restarting: start it "
+                        "(gcloud compute tpus tpu-vm start) and run again to resume")
     what = f"preempted ({state})" if state else "is gone"
     if restarts == args.max_restarts:
       raise LaunchError(f"slice {args.name} {what}; giving up after {restarts} restarts (--max_restarts)")

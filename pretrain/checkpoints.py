@@ -1,10 +1,10 @@
-"""Orbax checkpoints: train state (sharded, async), each process's data-iterator position, run config.
+"""Orbax checkpoints: train state (sharded, async), the data position of each data shard, run config.
 
-Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/process_<i>, run_config, checksums} (the run
-config is `pretrain.run_files.RunConfig`'s JSON). The data iterator is a tf.data iterator saved with
-tf.train.Checkpoint, one file per process, so a resumed run continues each host's data stream exactly
-where it stopped. A weights-only checkpoint (from `pretrain.import_hf`) has state = {params} and no
-data_iterator.
+Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/shard_<i>_of_<n>, run_config, checksums} (the
+run config is `pretrain.run_files.RunConfig`'s JSON). The data position is one tf.data iterator per data
+shard, saved with tf.train.Checkpoint by the process that reads it, so a resumed run continues each
+shard's stream exactly where it stopped, on any number of processes. A weights-only checkpoint (from
+`pretrain.import_hf`) has state = {params} and no data_iterator.
 
 Orbax makes a save atomic (a step directory appears only once complete); `checksums` makes a restore
 honest: a sum over each array's bits, taken before the save and compared after the restore, so that
@@ -12,13 +12,12 @@ damaged array data is caught rather than trained on.
 """
 import dataclasses
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-import tensorflow as tf
 from etils import epath
 from jax.experimental import multihost_utils
 
@@ -27,20 +26,14 @@ from pretrain.errors import ConfigError, TrainingStopped, one_line
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
-  """Saves and restores this process's tf.data iterator beside the sharded state."""
+  """Saves and restores where this process's data shards stand (`ShardIterators`), beside the state."""
 
   def save(self, directory: epath.Path, args: "DataIteratorSave"):
-    path = epath.Path(directory) / f"process_{jax.process_index()}"
-    tf.train.Checkpoint(iterator=args.iterator).write(str(path))
+    args.iterator.save(directory)
 
-  def restore(self, directory: epath.Path, args: "DataIteratorRestore") -> int:
-    """Restores the iterator in place if as many processes saved it as run now; returns how many did.
-    Each process's iterator reads its own shards, so another count cannot continue them."""
-    saved_by = len(list(epath.Path(directory).glob("process_*.index")))
-    if saved_by == jax.process_count():
-      path = epath.Path(directory) / f"process_{jax.process_index()}"
-      tf.train.Checkpoint(iterator=args.iterator).read(str(path)).assert_consumed()
-    return saved_by
+  def restore(self, directory: epath.Path, args: "DataIteratorRestore") -> List[int]:
+    """Restores the iterators in place if every shard this process reads was saved; returns those that were not."""
+    return args.iterator.restore(directory)
 
 
 @ocp.args.register_with_handler(DataIteratorHandler, for_save=True)
@@ -159,8 +152,12 @@ def _newest_step(directory: epath.Path):
   return max(steps) if steps else None
 
 
-def _described(error: Exception) -> str:
-  return f"{type(error).__name__}: {one_line(error)[:300]}"
+def _described(error: Exception, limit: int = 300) -> str:
+  """Type and first line; a long line keeps its end, where storage errors say what went wrong."""
+  text = one_line(error)
+  if len(text) > limit:
+    text = f"{text[:limit // 3]} ... {text[-limit // 2:]}"
+  return f"{type(error).__name__}: {text}"
 
 
 class DamagedCheckpoint(Exception):
@@ -174,30 +171,43 @@ class DamagedCheckpoint(Exception):
 READ_ERRORS = WRITE_ERRORS = (Exception,)
 
 
-def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator) -> Tuple[Any, Optional[str]]:
+def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iterator) -> Tuple[Any, List[str]]:
   """The state of `step`, in the shardings of `abstract_state`, with the iterator restored in place, and
-  a line if the iterator could not be (saved by another number of processes). DamagedCheckpoint if the
-  checkpoint cannot be read or its arrays differ from what was saved; ConfigError if it holds other
-  arrays than this run's state (another optimizer)."""
-  saved = _read(manager, step, checksums=ocp.args.JsonRestore()).checksums
-  wanted = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state)[0]]
-  if set(saved) != set(wanted):
-    only_saved, only_wanted = sorted(set(saved) - set(wanted)), sorted(set(wanted) - set(saved))
+  lines about what could not be restored as saved: the data position (saved for other data shards)
+  or the checksums (a checkpoint written before they were). DamagedCheckpoint if the checkpoint cannot be
+  read or its arrays differ from what was saved; ConfigError if it holds other arrays than this run's
+  state (another optimizer)."""
+  notes = []
+  if (epath.Path(manager.directory) / str(step) / "checksums").exists():
+    saved = _read(manager, step, checksums=ocp.args.JsonRestore()).checksums
+    _check_same_arrays(step, saved, abstract_state)
+  else:
+    saved = None
+    notes.append(f"step {step} has no checksums (saved before pod-pretrain wrote them): its arrays are restored "
+                 "unverified; the next checkpoint will have them")
+  restored = _read(manager, step, state=ocp.args.StandardRestore(abstract_state),
+                   data_iterator=DataIteratorRestore(data_iterator))
+  differing = [name for name, value in checksums(restored.state).items() if saved[name] != value] if saved else []
+  if differing:
+    more = f" and {len(differing) - 1} more" if len(differing) > 1 else ""
+    raise DamagedCheckpoint(f"the data of {differing[0]}{more} differs from what was saved (checksum mismatch)")
+  if distributed.any_process(bool(restored.data_iterator)):
+    notes.append(f"the data position of step {step} was saved for other data shards than this run reads "
+                 f"({data_iterator.num_shards}: DATA_SHARDS, or one per process when unset): the input starts again "
+                 "from its beginning, so examples are seen again; the checkpoint's DATA_SHARDS would continue it")
+  return restored.state, notes
+
+
+def _check_same_arrays(step: int, saved_checksums: Dict[str, str], abstract_state) -> None:
+  """ConfigError unless the checkpoint holds the arrays of this run's state: names the first difference."""
+  saved = set(saved_checksums)
+  wanted = {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+  if saved != wanted:
+    only_saved, only_wanted = sorted(saved - wanted), sorted(wanted - saved)
     raise ConfigError(f"the train state in step {step} has other arrays than this run's ({len(only_saved)} only in the "
                       f"checkpoint, e.g. {(only_saved or ['none'])[0]}; {len(only_wanted)} only in this run, e.g. "
                       f"{(only_wanted or ['none'])[0]}): resume with the checkpoint's OPTIMIZER and its settings, or "
                       "train in a new MODEL_DIR")
-  restored = _read(manager, step, state=ocp.args.StandardRestore(abstract_state),
-                   data_iterator=DataIteratorRestore(data_iterator))
-  differing = [name for name, value in checksums(restored.state).items() if saved[name] != value]
-  if differing:
-    more = f" and {len(differing) - 1} more" if len(differing) > 1 else ""
-    raise DamagedCheckpoint(f"the data of {differing[0]}{more} differs from what was saved (checksum mismatch)")
-  if restored.data_iterator == jax.process_count():
-    return restored.state, None
-  return restored.state, (f"the data position of step {step} was saved by {restored.data_iterator} process(es) and "
-                          f"this run has {jax.process_count()}: the input starts again from its beginning, so "
-                          f"examples are seen again; {restored.data_iterator} process(es) would continue it exactly")
 
 
 def _read(manager: ocp.CheckpointManager, step: int, **items):

@@ -7,6 +7,7 @@ turns those into ConfigErrors only where it hands them the user's settings (`use
 that a ValueError from a bug anywhere else still surfaces as one.
 """
 import contextlib
+import re
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,7 @@ def user_settings():
 
 def one_line(error: BaseException) -> str:
   """An error's first line: gin appends 'In call to configurable ...' lines and file context, tensorstore
-  whole specs."""
+  whole specs; TensorFlow wraps its ops' messages in '{{function_node ...}} ... [Op:...]'."""
   text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  return text.strip().strip('"')
+  text = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", text.strip())
+  return text.strip('"')

@@ -2,8 +2,12 @@
 linear warmup then linear decay, global-norm clipping, no weight decay on biases and LayerNorm.
 
 Every optimizer skips an update whose gradients are not finite (optax.apply_if_finite), so params
-never become NaN; the train loop counts the skips and stops a run that keeps making them.
+never become NaN; the train loop counts the skips and stops a run that keeps making them. Optionally
+(`skip_loss_spikes_above`) it also skips an update whose loss jumps above a multiple of its running
+mean, as MaxText's skip_step_on_spikes does.
 """
+from typing import Any, NamedTuple, Optional
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -53,8 +57,44 @@ def scale_by_layerwise_trust_ratio() -> optax.GradientTransformation:
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+class LossSpikeState(NamedTuple):
+  inner: Any
+  loss_mean: jax.Array  # running mean of the losses of applied updates
+  applied: jax.Array  # updates applied so far: the mean is trusted after `warmup` of them
+  total_spikes: jax.Array
+
+
+def skip_loss_spikes(inner: optax.GradientTransformation, factor: float, warmup: int = 100,
+                     decay: float = 0.99) -> optax.GradientTransformationExtraArgs:
+  """`inner`, except that an update whose `loss` (an extra argument of update) is above `factor` times
+  the running mean of the applied updates' losses is skipped: params and `inner`'s state stay as they
+  were. The mean decays by `decay` per applied update (about the last 1 / (1 - decay) of them) and is
+  trusted only after `warmup` of them."""
+
+  def init(params):
+    return LossSpikeState(inner.init(params), jnp.zeros([], jnp.float32), jnp.zeros([], jnp.int32),
+                          jnp.zeros([], jnp.int32))
+
+  def update(updates, state, params=None, *, loss, **extra_args):
+    del extra_args
+    loss = jnp.asarray(loss, jnp.float32)
+    spike = (state.applied >= warmup) & (loss > factor * state.loss_mean)
+    new_updates, new_inner = inner.update(updates, state.inner, params)
+    keep_old = lambda new, old: jnp.where(spike, old, new)  # noqa: E731
+    counted = jnp.isfinite(loss) & ~spike
+    mean = jnp.where(state.applied == 0, loss, decay * state.loss_mean + (1 - decay) * loss)
+    return (jax.tree.map(lambda u: jnp.where(spike, jnp.zeros_like(u), u), new_updates),
+            LossSpikeState(jax.tree.map(keep_old, new_inner, state.inner),
+                           jnp.where(counted, mean, state.loss_mean), state.applied + counted.astype(jnp.int32),
+                           state.total_spikes + spike.astype(jnp.int32)))
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
 def make_optimizer(schedule: optax.Schedule, name: str = "adamw", weight_decay: float = 0.01, b1: float = 0.9,
-                   b2: float = 0.999, eps: float = 1e-6, clip_norm: float = 1.0) -> optax.GradientTransformation:
+                   b2: float = 0.999, eps: float = 1e-6, clip_norm: float = 1.0,
+                   skip_loss_spikes_above: Optional[float] = None) -> optax.GradientTransformationExtraArgs:
+  """Its update takes the step's loss as an extra argument (`loss=`), used if `skip_loss_spikes_above`."""
   if name == "adamw":
     update = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
   elif name == "lamb":
@@ -66,10 +106,18 @@ def make_optimizer(schedule: optax.Schedule, name: str = "adamw", weight_decay: 
   clipped = optax.chain(optax.clip_by_global_norm(clip_norm), update) if clip_norm else update
   # The loop decides when to give up (trainer.train's max_skipped_steps): optax's own limit would then
   # apply a non-finite update, so it is set out of reach.
-  return optax.apply_if_finite(clipped, max_consecutive_errors=NEVER_GIVE_UP)
+  finite = optax.apply_if_finite(clipped, max_consecutive_errors=NEVER_GIVE_UP)
+  if skip_loss_spikes_above is None:
+    return optax.with_extra_args_support(finite)
+  if skip_loss_spikes_above <= 1:
+    raise ValueError(f"SKIP_LOSS_SPIKES_ABOVE={skip_loss_spikes_above}: expected a factor above 1 (e.g. 3), or None")
+  return skip_loss_spikes(finite, skip_loss_spikes_above)
 
 
 def skipped_updates(opt_state) -> dict:
-  """How many updates were skipped for non-finite gradients: in all, and in a row up to now."""
-  return {"skipped_steps": optax.tree_utils.tree_get(opt_state, "total_notfinite"),
-          "skipped_in_a_row": optax.tree_utils.tree_get(opt_state, "notfinite_count")}
+  """How many updates were skipped for non-finite gradients (in all, and in a row up to now) and, when
+  loss spikes are skipped, for those."""
+  counts = {"skipped_steps": optax.tree_utils.tree_get(opt_state, "total_notfinite"),
+            "skipped_in_a_row": optax.tree_utils.tree_get(opt_state, "notfinite_count")}
+  spikes = optax.tree_utils.tree_get(opt_state, "total_spikes")
+  return counts if spikes is None else {**counts, "skipped_spikes": spikes}

@@ -24,6 +24,7 @@ import re
 import sys
 import time
 import warnings
+from typing import Optional
 
 from pretrain import cli
 from pretrain.errors import ConfigError
@@ -41,6 +42,7 @@ class Chip:
   peak_bf16_flops: float  # FLOP/s
   hbm_bandwidth: float  # bytes/s
   usable_hbm_bytes: float  # what XLA lets a program use: its out-of-memory message, libtpu 0.0.42.1
+  device_kinds: tuple  # jax Device.device_kind of the generation, as jax/_src/pallas/mosaic/tpu_info.py names them
 
 
 # Peak bf16 FLOP/s and HBM bandwidth per chip from the sources named; usable HBM measured by compiling
@@ -48,18 +50,32 @@ class Chip:
 CHIPS = {
     # Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks", CACM 2020:
     # 46 TFLOP/s, 700 GB/s, 16 GiB (2 cores of 7.48 GiB usable).
-    "v2": Chip("v2", 2, 46e12, 700e9, 2 * 7.48 * GIB),
+    "v2": Chip("v2", 2, 46e12, 700e9, 2 * 7.48 * GIB, ("TPU v2",)),
     # cloud.google.com/tpu/docs/v3: 123 TFLOP/s, 900 GB/s, 32 GiB (2 cores of 15.48 GiB usable).
-    "v3": Chip("v3", 2, 123e12, 900e9, 2 * 15.48 * GIB),
+    "v3": Chip("v3", 2, 123e12, 900e9, 2 * 15.48 * GIB, ("TPU v3",)),
     # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 1200 GB/s, 32 GiB (2 cores of 15.25 GiB usable).
-    "v4": Chip("v4", 2, 275e12, 1200e9, 2 * 15.25 * GIB),
+    "v4": Chip("v4", 2, 275e12, 1200e9, 2 * 15.25 * GIB, ("TPU v4",)),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 819 GB/s, 16 GB.
-    "v5e": Chip("v5litepod", 1, 197e12, 819e9, 15.75 * GIB),
+    "v5e": Chip("v5litepod", 1, 197e12, 819e9, 15.75 * GIB, ("TPU v5 lite", "TPU v5e")),
     # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 2765 GB/s, 95 GB.
-    "v5p": Chip("v5p", 2, 459e12, 2765e9, 95.74 * GIB),
+    "v5p": Chip("v5p", 2, 459e12, 2765e9, 95.74 * GIB, ("TPU v5", "TPU v5p")),
     # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 1638 GB/s, 32 GB.
-    "v6e": Chip("v6e", 1, 918e12, 1638e9, 31.25 * GIB),
+    "v6e": Chip("v6e", 1, 918e12, 1638e9, 31.25 * GIB, ("TPU v6 lite", "TPU v6e")),
 }
+# Peak dense bf16 FLOP/s of one GPU from NVIDIA's datasheets, which give Tensor Core figures "with
+# sparsity", twice the dense ones: A100 624 TFLOP/s (SXM and PCIe); H100 1979 (SXM), 1671 (NVL), 1513
+# (PCIe); L4 242. V100 has no bf16 nor sparsity: fp16 Tensor 125 (SXM2), 112 (PCIe). A pattern is a whole
+# word of jax's device_kind ('NVIDIA H100 80GB HBM3', 'Tesla V100-SXM2-16GB'); the first match wins.
+# AWS's A10G has no NVIDIA datasheet: left out (MFU n/a) rather than guessed.
+GPUS = (
+    ("A100", 312e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("L4", 121e12),
+    ("V100-PCIE", 112e12),
+    ("V100", 125e12),
+)
 _TOPOLOGY = re.compile(r"(v\d+[a-z]*):(\d+(?:x\d+)*)")
 
 # train()'s arguments that shape the compiled step; the rest (paths, schedule of logging) do not.
@@ -78,6 +94,18 @@ def parse_topology(name: str) -> tuple:
     raise ConfigError(f"--topology={name!r}: expected <generation>:<chips per axis>, e.g. v3:16x16 "
                      f"(generations {', '.join(CHIPS)})")
   return match.group(1), math.prod(int(n) for n in match.group(2).split("x"))
+
+
+def peak_flops_per_device(device) -> Optional[float]:
+  """Peak bf16 FLOP/s of one JAX device, None where unknown (CPU, a GPU not in GPUS).
+
+  A TPU device is one TensorCore of a v2 or v3 chip, or a whole v4 or v5p chip (megacore: both
+  TensorCores, `num_cores` 2), as in the Plan's devices_per_chip; v5e and v6e chips have one core.
+  """
+  for chip in CHIPS.values():
+    if device.device_kind in chip.device_kinds:
+      return chip.peak_bf16_flops * getattr(device, "num_cores", 1) / chip.tensorcores
+  return next((peak for name, peak in GPUS if re.search(rf"\b{name}\b", device.device_kind)), None)
 
 
 def accelerator_type(topology: str) -> str:

@@ -173,7 +173,8 @@ def train_step(setup: Setup, state: TrainState, batch) -> tuple:
   rng = jax.random.fold_in(state.rng, state.step)
   compute = _accumulated_loss_and_grads if setup.microbatches > 1 else _loss_and_grads
   loss, metrics, carry, grads = compute(setup, state.params, batch, state.carry, rng)
-  updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)  # skips non-finite ones
+  # Skips the update if the gradients are not finite (and, if so configured, if the loss spikes).
+  updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params, loss=loss)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.global_norm(grads)
   # A skipped step also keeps the carry: XLNet's memory of a non-finite forward pass would poison the next.

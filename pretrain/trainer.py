@@ -3,7 +3,6 @@
 It knows models only through a `Family` (pretrain/families/base.py) and data only through a seqio
 task name and `data_pipelines.input_pipeline`; the state and the jitted steps are `pretrain.steps`.
 """
-import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import flax.linen as nn
@@ -18,6 +17,8 @@ from pretrain import checkpoints, lease, partitioning, run_files, steps
 from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
+from pretrain.profiling import StepProfiler
+from pretrain.throughput import Throughput
 
 
 def fitted_family(family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int]) -> Family:
@@ -74,7 +75,7 @@ def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, m
       raise ConfigError(f"this run does not match the checkpoint at step {step} in {where} ({'; '.join(differences)})"
                         ": resume with the checkpoint's settings, or train in a new MODEL_DIR")
     try:
-      state, data_note = checkpoints.restore(manager, step, setup.sharded_abstract_state(), train_iterator)
+      state, restore_notes = checkpoints.restore(manager, step, setup.sharded_abstract_state(), train_iterator)
     except checkpoints.DamagedCheckpoint as e:
       damaged.append((step, str(e)))
       continue
@@ -82,7 +83,7 @@ def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, m
              for bad, why in damaged]
     if damaged:
       manager.reload()
-    return state, notes + [f"resumed from step {step} in {where}"] + ([data_note] if data_note else [])
+    return state, notes + [f"resumed from step {step} in {where}"] + restore_notes
   raise TrainingStopped(f"no checkpoint in {where} can be restored (" +
                         "; ".join(f"step {step}: {why}" for step, why in damaged) +
                         "); nothing was moved or deleted. Repair or remove them, or train in a new MODEL_DIR")
@@ -103,6 +104,17 @@ def _mean_metrics(rows):
   return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
+def _write_logged_step(step: int, metrics, throughput: Throughput, writer: MetricsWriter) -> Dict[str, Any]:
+  """Writes a logged step's metrics and the speed of the window it ends; returns them, on the host."""
+  metrics = jax.device_get(metrics)  # here the step has finished: the window ends
+  metrics.update(throughput.window(step))
+  writer.write(step, metrics)
+  warning = throughput.input_warning(step, metrics["input_wait"])
+  if warning:
+    say(warning)
+  return metrics
+
+
 def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, model_dir: str) -> None:
   """Stops the run once `max_skipped_in_a_row` updates in a row were skipped for non-finite gradients."""
   in_a_row = int(jax.device_get(metrics["skipped_in_a_row"]))
@@ -121,8 +133,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
           eval_every_steps: int = 1000, eval_steps: int = 10, keep_checkpoints: int = 3, seed: int = 0,
           microbatches: int = 1, microbatch_rows_per_group: Optional[int] = None, num_slices: int = 1,
-          data_shards: Optional[int] = None, max_skipped_in_a_row: int = 10,
-          save_attempts: int = 4) -> Dict[str, Any]:
+          data_shards: Optional[int] = None, max_skipped_in_a_row: int = 10, save_attempts: int = 4,
+          profile_steps: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
   """Trains until `train_steps`, resuming from the latest checkpoint in model_dir if there is one.
 
   Faults: an update with non-finite gradients is skipped (and counted); `max_skipped_in_a_row` of them
@@ -134,11 +146,16 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
   `data_shards`: how many seqio shards make up the global batch (default: one per process).
+  Each logged step shows the speed of the steps since the last one (`pretrain.throughput`): step time,
+  examples and tokens per second, MFU and the share of time spent waiting for input. The next batch is
+  put on the devices while a step runs. `profile_steps` (first, last): a trace of those steps in
+  MODEL_DIR/profile (`pretrain.profiling`).
   Returns a summary: first and last logged loss, the step reached, whether it was preempted, and
   the checkpoint directory.
   """
   if train_steps < 1:
     raise ConfigError(f"TRAIN_STEPS={train_steps}: expected a positive number of steps")
+  profiler = StepProfiler(model_dir, profile_steps)
   directory = epath.Path(model_dir)
   if directory.exists() and not directory.is_dir():
     raise ConfigError(f"MODEL_DIR={model_dir!r} is a file; it must be a directory (or not exist yet)")
@@ -149,7 +166,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   data = input_pipeline_for_run(family, mixture_or_task_name, task_feature_lengths, batch_size,
                                 partitioning.data_parallel_groups(mesh), seed, data_shards)
   directory.mkdir(parents=True, exist_ok=True)
-  with lease.held(model_dir, jax.process_index() == 0) as took_over, mesh, nn.logical_axis_rules(setup.rules):
+  with (lease.held(model_dir, jax.process_index() == 0) as took_over, mesh, nn.logical_axis_rules(setup.rules),
+        profiler):
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)
@@ -165,28 +183,39 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     for note in notes:
       say(note)
     step_fn, eval_fn = steps.jit_train_step(setup), steps.jit_eval_step(setup)
-    tokens_per_step = steps.tokens_per_batch(batch_size, task_feature_lengths)
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     say(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
                    f"global batch {batch_size}, {jax.process_count()} process(es)")
 
-    losses, step, window_start = [], int(state.step), time.time()
-    window_first_step, previous, preempted = step, None, False
-    while step < train_steps and not preempted:
-      state, metrics = step_fn(state, partitioning.global_batch(next(train_iterator), mesh))
-      step += 1
-      if previous:  # the step before's count: reading it does not wait for the step just dispatched
-        _stop_if_diverging(step - 1, previous, max_skipped_in_a_row, saver.manager, model_dir)
-      previous = metrics
-      if step % log_every_steps == 0 or step == train_steps:
-        metrics = jax.device_get(metrics)
-        elapsed = time.time() - window_start
-        metrics["tokens_per_second"] = tokens_per_step * (step - window_first_step) / max(elapsed, 1e-9)
-        writer.write(step, metrics)
+    losses, step, preempted = [], int(state.step), False
+    # The first batch's start-up (reading, tokenizing, filling buffers) happens once: not counted as waiting.
+    batch = partitioning.global_batch(next(train_iterator), mesh) if step < train_steps else None
+    throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
+
+    def logged(s: int) -> bool:
+      return s % log_every_steps == 0 or s == train_steps
+
+    def finish(s: int, metrics) -> None:
+      """Step s's outputs, read once the step after it is dispatched: reading them leaves no device idle."""
+      if logged(s):
+        metrics = _write_logged_step(s, metrics, throughput, writer)
         losses.append(float(metrics["loss"]))
-        window_start, window_first_step = time.time(), step
+      _stop_if_diverging(s, metrics, max_skipped_in_a_row, saver.manager, model_dir)
+
+    unread = None  # (step, metrics) of the step dispatched last
+    while step < train_steps and not preempted:
+      profiler.before(step + 1)
+      state, metrics = step_fn(state, batch)
+      step += 1
+      profiler.after(step, metrics)
+      if unread:
+        finish(*unread)
+      unread = step, metrics
+      if logged(step):
         saver.check(step, state)
       if eval_every_steps and step % eval_every_steps == 0 and data.has_split("validation"):
+        finish(*unread)  # the eval waits for this step anyway; its line comes after the step's
+        unread = None
         rows = [jax.device_get(eval_fn(state.params, partitioning.global_batch(b, mesh)))
                 for b in data.take("validation", eval_steps)]
         writer.write(step, _mean_metrics(rows), split="eval")
@@ -194,8 +223,13 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       preempted = multihost_utils.reached_preemption_sync_point(step)
       if step % checkpoint_every_steps == 0 or step == train_steps or preempted:
         saver.save(step, state)
-    if previous:
-      _stop_if_diverging(step, previous, max_skipped_in_a_row, saver.manager, model_dir)
+      if step < train_steps and not preempted:
+        # Onto the devices while this step runs; only now, after any save of this step: a checkpoint holds
+        # the data iterator, which must stand after this step's batch, not the next one's.
+        with throughput.waiting_for_input():
+          batch = partitioning.global_batch(next(train_iterator), mesh)
+    if unread:
+      finish(*unread)
     saver.finish(step, state)
     if preempted:
       say(f"preempted: saved a checkpoint at step {step} in {checkpoints.checkpoint_dir(model_dir)}; "

@@ -16,6 +16,8 @@ Differences from the reference, on purpose:
 - <sep>/<cls> are treated like unmasked tokens (visible to all, see no targets); in the reference
   they take part in the factorization order.
 """
+import functools
+
 import seqio
 import tensorflow as tf
 
@@ -330,11 +332,20 @@ def permutation_features(input_ids, segment_ids, backward, seed, *, reuse_len: i
   }
 
 
+@functools.lru_cache(maxsize=None)
+def _traced_permutation_features(**settings):
+  """`permutation_features` for these settings as one tf.function: traced once, however many pipelines
+  (one per batch row) call it; tracing it again for each took seconds per row."""
+  return tf.function(lambda input_ids, segment_ids, backward, seed, word_start: permutation_features(
+      input_ids, segment_ids, backward, seed, word_start=word_start, **settings), autograph=False)
+
+
 @seqio.map_over_dataset(num_seeds=1)
 @tf.autograph.experimental.do_not_convert  # control flow is explicit; converting it took ~10 s per trace
-def _window_features(example, seed, *, seq_len, **kwargs):
-  return permutation_features(tf.ensure_shape(example["input_ids"], [seq_len]),
-                              tf.ensure_shape(example["segment_ids"], [seq_len]), example["backward"], seed, **kwargs)
+def _window_features(example, seed, *, seq_len, word_start, **settings):
+  return _traced_permutation_features(**settings)(tf.ensure_shape(example["input_ids"], [seq_len]),
+                                                  tf.ensure_shape(example["segment_ids"], [seq_len]),
+                                                  example["backward"], seed, word_start)
 
 
 def xlnet_permutation_features(dataset: tf.data.Dataset, *, seq_len: int, reuse_len: int, perm_size: int,

@@ -212,22 +212,32 @@ def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_
   assert not np.array_equal(from_wiki[:, 0], from_wiki[:, 1])
 
 
-def test_a_mixtures_iterator_resumes_exactly_from_its_checkpoint(tiny_wiki_dir, books_file, demo_paths, tmp_path):
+def test_a_mixtures_data_position_saved_by_two_processes_continues_exactly_on_one(tiny_wiki_dir, books_file,
+                                                                                  demo_paths, tmp_path):
+  """Each data shard's position is saved on its own (as pretrain.checkpoints saves it), so one process
+  continues the batches that two processes were reading, the two halves side by side."""
   import tensorflow as tf
 
   from data_pipelines.input_pipeline import InputPipeline
   name = wiki_and_books(tiny_wiki_dir, books_file, demo_paths["vocab_model"], rates=[3, 1])
-  pipeline = InputPipeline(name, LENGTHS, 8, {"input_ids": ((LENGTHS["input_ids"],), tf.int32)}, num_data_shards=2,
-                           process_index=0, process_count=1)
-  iterator = pipeline.iterator()
-  for _ in range(3):
-    next(iterator)
-  tf.train.Checkpoint(iterator=iterator).write(str(tmp_path / "iterator"))  # as pretrain.checkpoints saves it
-  expected = [next(iterator)["input_ids"].numpy() for _ in range(3)]
-  resumed = pipeline.iterator()
-  tf.train.Checkpoint(iterator=resumed).read(str(tmp_path / "iterator")).assert_consumed()
+
+  def pipeline(process_index, process_count, data_shards=2):
+    return InputPipeline(name, LENGTHS, 8, {"input_ids": ((LENGTHS["input_ids"],), tf.int32)},
+                         num_data_shards=data_shards, process_index=process_index, process_count=process_count)
+
+  halves = [pipeline(index, 2).iterator() for index in (0, 1)]
+  for iterator in halves:
+    for _ in range(3):
+      next(iterator)
+    iterator.save(tmp_path)
+  expected = [np.concatenate([next(half)["input_ids"] for half in halves]) for _ in range(3)]
+  resumed = pipeline(0, 1).iterator()
+  assert resumed.restore(tmp_path) == []
   for batch in expected:
-    np.testing.assert_array_equal(next(resumed)["input_ids"].numpy(), batch)
+    np.testing.assert_array_equal(next(resumed)["input_ids"], batch)
+  fresh = pipeline(0, 1).iterator()
+  assert not np.array_equal(next(fresh)["input_ids"], expected[0])
+  assert pipeline(0, 1, data_shards=4).iterator().restore(tmp_path) == [0, 1, 2, 3], "other DATA_SHARDS"
 
 
 def test_a_mixture_needs_one_positive_rate_per_task(demo_paths):

@@ -19,10 +19,13 @@ TRAIN = ("cd ~/pod-pretrain || exit 1; : > ~/pod-pretrain.log; "
          "tail -n +1 -f --pid=$pid ~/pod-pretrain.log; wait $pid")
 RUN_FLAGS = ["--gin_file=gin_configs/runs/a.gin", "--gin_file=b.gin", "--model_dir=gs://bucket/run1",
              "--gin_bindings=TRAIN_STEPS=100"]
+# Restarting without the second look at a READY slice, for tests about what comes before or after it.
+RESTART_AT_ONCE = ["--accelerator_type=v3-512", "--restart_on_preemption", "--preemption_grace_seconds=0"]
 
 # Logs each call as a JSON line. Calls with --format (state checks) print the next line of the states
-# file (the last line repeats; "!REASON" fails with "ERROR: REASON" on stderr, as gcloud does). An ssh running
-# pretrain.train exits with $FAKE_TRAIN_RC. An scp records what the staged source directory holds.
+# file (the last line repeats; "!REASON" fails with "ERROR: REASON" on stderr, as gcloud does). The Nth ssh
+# running pretrain.train exits with the Nth code in $FAKE_TRAIN_RCS (the last repeats). An scp records what
+# the staged source directory holds.
 STAND_IN = """#!{python}
 import json, os, sys
 argv = sys.argv[1:]
@@ -40,7 +43,9 @@ if any(a.startswith("--format=") for a in argv):
     sys.exit("ERROR: (gcloud.compute.tpus) " + states[0][1:])
   print(states[0])
 if argv[3] == "ssh" and "pretrain.train" in argv[-1]:
-  sys.exit(int(os.environ.get("FAKE_TRAIN_RC", "0")))
+  codes = os.environ["FAKE_TRAIN_RCS"].split()
+  runs = sum("pretrain.train" in line for line in open(os.environ["FAKE_GCLOUD_LOG"]))
+  sys.exit(int(codes[min(runs, len(codes)) - 1]))
 """
 
 
@@ -58,8 +63,9 @@ class FakeGcloud:
                 "FAKE_GCLOUD_STATES": str(self.states)}
 
   def launch(self, *args, states=("READY",), train_rc=0, path=None):
+    """train_rc: the exit code of every run, or a tuple of each run's in turn."""
     self.states.write_text("\n".join(states))
-    env = dict(self.env, FAKE_TRAIN_RC=str(train_rc))
+    env = dict(self.env, FAKE_TRAIN_RCS=" ".join(map(str, train_rc if isinstance(train_rc, tuple) else [train_rc])))
     if path is not None:
       env["PATH"] = path
     return run_module("launch.tpu", *args, env=env, timeout=60)
@@ -133,8 +139,7 @@ def test_run_starts_training_on_all_workers(gcloud):
 
 
 def test_run_recreates_preempted_slice_and_runs_again(gcloud):
-  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--spot",
-                       "--restart_on_preemption", "--max_restarts=3", "--", "--seed=3",
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, *RESTART_AT_ONCE, "--spot", "--max_restarts=3", "--", "--seed=3",
                        states=("PREEMPTED", "READY"))
   assert done.returncode == 0, done.stderr
   run = tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={TRAIN}")
@@ -149,8 +154,7 @@ def test_run_recreates_preempted_slice_and_runs_again(gcloud):
 
 
 def test_run_recreates_vanished_queued_slice_without_deleting(gcloud):
-  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--queued",
-                       "--restart_on_preemption", "--poll_seconds=0", "--", "--seed=3",
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, *RESTART_AT_ONCE, "--queued", "--poll_seconds=0", "--", "--seed=3",
                        states=("!NOT_FOUND", "ACTIVE"))
   assert done.returncode == 0, done.stderr
   verbs = [c[2] + " " + c[3] for c in gcloud.calls()]
@@ -171,10 +175,72 @@ def test_run_gives_up_after_max_restarts(gcloud):
 
 def test_run_failure_on_healthy_slice_is_not_restarted(gcloud):
   done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--restart_on_preemption",
-                       states=("READY",), train_rc=3)
+                       "--preemption_grace_seconds=0.01", states=("READY",), train_rc=3)
   assert done.returncode == 3
-  assert [c[3] for c in gcloud.calls()] == ["ssh", "describe"]
+  assert [c[3] for c in gcloud.calls()] == ["ssh", "describe", "describe"]  # READY again after the grace
   assert "run exited with code 3 on a READY slice; not restarting" in done.stderr
+
+
+@pytest.mark.parametrize("flags, states, lost", [
+    ([], ("READY", "PREEMPTED", "READY"), "PREEMPTED"),
+    (["--queued"], ("ACTIVE", "SUSPENDED", "ACTIVE"), "SUSPENDED"),
+])
+def test_run_restarts_slice_preempted_after_training_exits_0(gcloud, flags, states, lost):
+  # The trainer saves and exits 0 on the preemption notice, while the slice still reads READY (ACTIVE).
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--restart_on_preemption",
+                       "--preemption_grace_seconds=0.01", "--poll_seconds=0", *flags, states=states)
+  assert done.returncode == 0, done.stderr
+  verbs = [c[3] for c in gcloud.calls()]
+  assert verbs[:4] == ["ssh", "describe", "describe", "delete"]
+  assert verbs.count("create") == 1 and verbs[-3:] == ["ssh", "describe", "describe"]
+  up = states[0]
+  assert f"run exited with code 0 on a {up} slice; looking again in 0.01 s in case it is being preempted" \
+      in done.stdout
+  assert f"slice pod preempted ({lost}), recreating (restart 1/10)" in done.stdout
+  assert done.stdout.count("run finished") == 1  # only after the second run
+  assert done.stdout.strip().endswith(f"run finished (slice pod is still {up})")
+
+
+def test_run_restarts_slice_that_goes_from_stopping_to_preempted_after_ssh_drops(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, *RESTART_AT_ONCE, "--poll_seconds=0",
+                       states=("STOPPING", "STOPPING", "PREEMPTED", "READY"), train_rc=(255, 0))
+  assert done.returncode == 0, done.stderr
+  verbs = [c[3] for c in gcloud.calls()]
+  assert verbs[:5] == ["ssh", "describe", "describe", "describe", "delete"]
+  assert verbs.count("create") == 1
+  assert done.stdout.count("slice pod is STOPPING; waiting for it to settle") == 1
+  assert "slice pod preempted (PREEMPTED), recreating (restart 1/10)" in done.stdout
+  assert "run finished (slice pod is still READY)" in done.stdout
+
+
+def test_run_waits_for_stopping_slice_and_finishes_when_it_is_ready_again(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--accelerator_type=v3-512", "--restart_on_preemption",
+                       "--preemption_grace_seconds=0.01", "--poll_seconds=0", states=("STOPPING", "READY"))
+  assert done.returncode == 0, done.stderr
+  assert [c[3] for c in gcloud.calls()] == ["ssh", "describe", "describe", "describe"]
+  assert [line for line in done.stdout.splitlines() if not line.startswith("+ ")] == [
+      "slice pod is STOPPING; waiting for it to settle",
+      "run exited with code 0 on a READY slice; looking again in 0.01 s in case it is being preempted",
+      "run finished (slice pod is still READY)"]
+
+
+def test_run_gives_up_on_a_slice_that_does_not_settle(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, *RESTART_AT_ONCE, "--poll_seconds=0.05",
+                       "--max_settle_seconds=0.2", states=("REPAIRING",), train_rc=255)
+  assert done.returncode == 1
+  assert done.stderr.splitlines() == [
+      "launch.tpu: error: slice pod is still REPAIRING after 0.2 s (--max_settle_seconds); not restarting"]
+  assert done.stdout.count("slice pod is REPAIRING; waiting for it to settle") == 1
+  assert "create" not in [c[3] for c in gcloud.calls()]
+
+
+def test_run_does_not_recreate_a_slice_that_someone_stopped(gcloud):
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, *RESTART_AT_ONCE, "--poll_seconds=0.05",
+                       states=("STOPPING", "STOPPED"), train_rc=255)
+  assert done.returncode == 1
+  assert done.stderr.splitlines()[-1].startswith("launch.tpu: error: slice pod was stopped, not preempted; not "
+                                                 "restarting")
+  assert "create" not in [c[3] for c in gcloud.calls()]
 
 
 def test_run_does_not_recreate_when_state_is_unknown(gcloud):

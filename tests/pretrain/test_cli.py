@@ -36,6 +36,7 @@ XLNET_RUN = "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
      "xlnet.XLNetConfig.reuse_len=32 differs from the data's TASK_FEATURE_LENGTHS reuse_len=64"),
     ([BERT_RUN, "--no_such_flag"], "unknown arguments ['--no_such_flag']"),
     ([BERT_RUN, "--gin.TRAIN_STEPS=0"], "TRAIN_STEPS=0: expected a positive number of steps"),
+    ([BERT_RUN, "--gin.PROFILE_STEPS=(5, 2)"], "PROFILE_STEPS=(5, 2): expected (first, last) with 1 <= first <= last"),
     (["--gin_file=gin_configs/runs/no_such_run.gin"], "--gin_file=gin_configs/runs/no_such_run.gin: no such file"),
 ])
 def test_bad_configuration_fails_with_one_line(args, message, capsys, tmp_path):

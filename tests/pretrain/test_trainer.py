@@ -3,6 +3,7 @@ model caches exactly the tokens the data's windows continue."""
 import json
 
 import numpy as np
+import pytest
 
 from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, logged_losses, train
 from data_pipelines import vocab
@@ -14,15 +15,20 @@ SMALL_XLNET = [
 
 
 def test_loss_falls_and_outputs_are_written(tmp_path):
-  train("bert_tiny_demo", tmp_path, 60, SMALL_BERT + ["LOG_EVERY_STEPS = 5", "CHECKPOINT_EVERY_STEPS = 30"])
+  train("bert_tiny_demo", tmp_path, 60, SMALL_BERT + ["LOG_EVERY_STEPS = 5", "CHECKPOINT_EVERY_STEPS = 30",
+                                                      "PROFILE_STEPS = (11, 12)"])
   losses = logged_losses(tmp_path)
   first, last = np.mean([losses[s] for s in (5, 10, 15)]), np.mean([losses[s] for s in (50, 55, 60)])
   assert last < first - 0.5, losses
-  record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_second", "mlm_accuracy", "nsp_accuracy"):
-    assert key in record
+    assert key in records[0]
+  for record in records:  # the speed of each window; no MFU on a CPU, whose peak is unknown
+    assert record["step_time"] > 0 and 0 <= record["input_wait"] <= 1 and "mfu" not in record, record
+    assert record["tokens_per_second"] == pytest.approx(record["examples_per_second"] * 64)  # 8 rows of 64
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [30, 60]
   assert list((tmp_path / "tensorboard" / "train").iterdir())
+  assert list((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
 def test_xlnet_resume_is_exact(tmp_path):

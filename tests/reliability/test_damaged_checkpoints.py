@@ -52,18 +52,20 @@ DAMAGE = [
     ("a broken state metadata file", lambda step: truncate(step / "state" / "_METADATA"), "unreadable"),
     ("a missing state directory", lambda step: shutil.rmtree(step / "state"), "unreadable"),
     ("a garbage data-iterator file",
-     lambda step: next((step / "data_iterator").glob("process_0.data*")).write_bytes(b"garbage" * 99), "unreadable"),
+     lambda step: next((step / "data_iterator").glob("shard_0_of_1.data*")).write_bytes(b"garbage" * 99), "unreadable"),
     ("a broken run config", lambda step: truncate(step / "run_config" / "metadata"), "run_config is unreadable"),
 ]
 
 
 def test_damaged_newest_checkpoints_are_named_set_aside_and_the_newest_intact_one_resumes(trained, tmp_path, capsys):
+  """The intact one has no checksums, as a checkpoint saved before they existed: restored unverified, said so."""
   model_dir = copy_of(trained, tmp_path)
   damaged_steps = list(range(STEPS, STEPS - len(DAMAGE), -1))
   for step, (_, make_damage, _) in zip(damaged_steps, DAMAGE):
     make_damage(model_dir / "checkpoints" / str(step))
-  capsys.readouterr()
   intact = STEPS - len(DAMAGE)
+  shutil.rmtree(model_dir / "checkpoints" / str(intact) / "checksums")
+  capsys.readouterr()
   summary = train("bert_tiny_demo", model_dir, intact, BINDINGS)  # resumes at the end: restores, runs no step
   out = capsys.readouterr().out
   assert summary["steps"] == intact
@@ -74,6 +76,7 @@ def test_damaged_newest_checkpoints_are_named_set_aside_and_the_newest_intact_on
     assert what in line, (kind, line)
     assert line.endswith(f"set aside in {model_dir / 'damaged' / str(step)}"), line
   assert f"resumed from step {intact} in {model_dir / 'checkpoints'}" in out
+  assert f"step {intact} has no checksums (saved before pod-pretrain wrote them): its arrays are restored" in out
   assert sorted(int(p.name) for p in (model_dir / "damaged").iterdir()) == sorted(damaged_steps)
   assert [p.name for p in (model_dir / "checkpoints").iterdir() if p.name.isdigit()] == [str(intact)]
 
@@ -90,12 +93,13 @@ def test_with_no_intact_checkpoint_the_run_stops_and_moves_nothing(trained, tmp_
 
 SAVE_IN_A_LOOP = """
 import sys, jax.numpy as jnp, tensorflow as tf
+from data_pipelines.input_pipeline import ShardIterators
 from pretrain import checkpoints
 manager = checkpoints.make_manager(sys.argv[1], max_to_keep=100)
 state = {"weights": jnp.arange(2**25, dtype=jnp.float32).reshape(2**12, 2**13)}  # 128 MiB
-iterator = iter(tf.data.Dataset.range(10**6))
+iterator = ShardIterators({0: iter(tf.data.Dataset.range(10**6))}, num_shards=1)
 for step in range(1, 10**6):
-  next(iterator)
+  next(iterator.iterators[0])
   manager.wait_until_finished()
   checkpoints.save(manager, step, {**state, "step": jnp.int32(step)}, iterator, {"step": step})
   print("saving", step, flush=True)
@@ -108,6 +112,8 @@ def test_a_save_killed_part_way_is_never_loaded_and_its_leftovers_are_removed(tm
   import jax
   import jax.numpy as jnp
   import tensorflow as tf
+
+  from data_pipelines.input_pipeline import ShardIterators
   abstract = {"weights": jax.ShapeDtypeStruct((2**12, 2**13), jnp.float32), "step": jax.ShapeDtypeStruct((), jnp.int32)}
   leftovers = 0
   for delay in (0.0, 0.2, 0.5):
@@ -126,9 +132,9 @@ def test_a_save_killed_part_way_is_never_loaded_and_its_leftovers_are_removed(tm
     manager = checkpoints.make_manager(model_dir)
     newest = manager.latest_step()
     assert newest in (1, 2, 3) and all(int(name.split(".")[0]) > newest for name in unfinished), (newest, unfinished)
-    iterator = iter(tf.data.Dataset.range(10**6))
-    restored, data_note = checkpoints.restore(manager, newest, abstract, iterator)
-    assert data_note is None and int(restored["step"]) == newest and int(next(iterator)) == newest
+    iterator = ShardIterators({0: iter(tf.data.Dataset.range(10**6))}, num_shards=1)
+    restored, notes = checkpoints.restore(manager, newest, abstract, iterator)
+    assert notes == [] and int(restored["step"]) == newest and int(next(iterator.iterators[0])) == newest
     checkpoints.save(manager, 100, restored, iterator, {})  # the manager clears the leftovers before a save
     manager.wait_until_finished()
     assert checkpoints.unfinished_saves(model_dir) == []

@@ -1,6 +1,8 @@
 """Storage that refuses a checkpoint: a passing fault is retried until the save lands; a lasting one
-stops the run with one line saying which step is not saved and which is. The fault is real: the
-checkpoint directory is made immutable (chattr +i), which refuses even root's writes."""
+stops the run with one line saying which step is not saved and which is. The faults are real: the
+checkpoint directory is made immutable (chattr +i), which refuses even root's writes, then its disk (a
+small tmpfs) fills up."""
+import errno
 import subprocess
 import threading
 import time
@@ -16,18 +18,41 @@ def immutable(path, on: bool):
   subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True, capture_output=True)
 
 
-def test_a_passing_fault_is_retried_and_a_lasting_one_stops_the_run(tmp_path, monkeypatch, capsys):
-  """Storage refuses the step-2 save for about a second (retried: it lands), then refuses for good."""
-  checkpoints_dir = tmp_path / "checkpoints"
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 64 MiB tmpfs of its own, so that filling it up fills nothing else."""
+  mount_point = tmp_path / "disk"
+  mount_point.mkdir()
+  subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount_point)], check=True,
+                 capture_output=True)
+  yield mount_point
+  subprocess.run(["umount", "--lazy", str(mount_point)], check=True, capture_output=True)
+
+
+def fill_up(disk):
+  try:
+    with open(disk / "filler", "wb") as filler:
+      while True:
+        filler.write(bytes(2**20))
+  except OSError as e:
+    assert e.errno == errno.ENOSPC, e
+
+
+def test_a_passing_fault_is_retried_and_a_full_disk_stops_the_run(small_disk, monkeypatch, capsys):
+  """Storage refuses the step-2 save for about a second (retried: it lands); then the disk fills up and
+  metrics.jsonl is refused: the run goes on without its metrics (said once), and step 4 cannot be saved."""
+  model_dir = small_disk / "run"
+  checkpoints_dir = model_dir / "checkpoints"
   lines = []
 
-  def said(text):  # the run's own lines, watched to time the fault
+  def said(text):  # the run's own lines, watched to time the faults
     lines.append(text)
     print(text)
     if "failed" in text and len(lines_with("failed")) == 1:
       threading.Timer(0.5, immutable, (checkpoints_dir, False)).start()  # before the 1 s retry
     if text.startswith("saved step"):
-      immutable(checkpoints_dir, True)
+      fill_up(small_disk)
+      immutable(model_dir / "metrics.jsonl", True)
 
   def lines_with(word):
     return [line for line in lines if word in line]
@@ -42,14 +67,20 @@ def test_a_passing_fault_is_retried_and_a_lasting_one_stops_the_run(tmp_path, mo
   threading.Thread(target=refuse_once_made, daemon=True).start()
   try:
     with pytest.raises(TrainingStopped) as stopped:
-      train("bert_tiny_demo", tmp_path, 6, SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 2", "SAVE_ATTEMPTS = 2"])
+      train("bert_tiny_demo", model_dir, 6,
+            SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 2", "SAVE_ATTEMPTS = 2", "LOG_EVERY_STEPS = 1"])
   finally:
     immutable(checkpoints_dir, False)
+    immutable(model_dir / "metrics.jsonl", False)
+  out = capsys.readouterr().out
+  assert out.count(f"warning: cannot write metrics in {model_dir} (PermissionError") == 1, out
+  assert "step      3/6" in out, "the progress line of a step whose metrics were refused"
   retried = lines_with("failed")
   assert "saving step 2 in 1 s (attempt 1 of 2)" in retried[0] and "PermissionError" in retried[0], retried
   assert lines_with("saved step") == [f"saved step 2 in {checkpoints_dir}"]
   assert len(retried) == 3 and all("saving step 4" in line for line in retried[1:]), retried
   message = str(stopped.value)
-  assert message.startswith(f"cannot write checkpoints in {checkpoints_dir} (PermissionError") and "\n" not in message
+  assert message.startswith(f"cannot write checkpoints in {checkpoints_dir} (") and "\n" not in message
+  assert "No space left on device" in message, message
   assert "the train state of step 4 is NOT saved; the newest saved checkpoint is step 2" in message
   assert sorted(p.name for p in checkpoints_dir.iterdir() if p.name.isdigit()) == ["2"]

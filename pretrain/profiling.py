@@ -1,0 +1,57 @@
+"""PROFILE_STEPS: a jax.profiler trace of a few training steps, for TensorBoard's profile tab.
+
+  --gin.PROFILE_STEPS='(101, 105)'  ->  MODEL_DIR/profile/plugins/profile/<time>/<host>.xplane.pb
+  tensorboard --logdir=MODEL_DIR/profile   (the tab needs `pip install -e ".[profile]"`)
+
+Only process 0 traces. Every process runs the same program on its own devices, so one host's trace shows
+the step, and a slow peer as time spent waiting in collectives; all hosts would write the same picture
+N times over (tens of MB each, to MODEL_DIR's storage), in run directories named by each host's clock.
+"""
+from typing import Optional, Sequence
+
+import jax
+from etils import epath
+
+from pretrain.errors import ConfigError
+from pretrain.metrics import say
+
+
+class StepProfiler:
+  """Traces the steps first..last of PROFILE_STEPS that this run reaches (a resumed run, those after its
+  start). Use as a context: a run that ends or stops inside the range still closes its trace."""
+
+  def __init__(self, model_dir: str, steps: Optional[Sequence[int]]):
+    if steps is not None and not (isinstance(steps, (tuple, list)) and len(steps) == 2
+                                  and all(isinstance(s, int) for s in steps) and 1 <= steps[0] <= steps[1]):
+      raise ConfigError(f"PROFILE_STEPS={steps!r}: expected (first, last) with 1 <= first <= last, e.g. (101, 105)")
+    self.steps = steps if jax.process_index() == 0 else None
+    self.directory = epath.Path(model_dir) / "profile"
+    self._traced = None  # [first, last] steps while tracing
+
+  def before(self, step: int) -> None:
+    """Traces from `step`, about to be dispatched, if it is in the range."""
+    if not (self.steps and self.steps[0] <= step <= self.steps[1]):
+      return
+    if self._traced is None:
+      jax.profiler.start_trace(str(self.directory))
+      self._traced = [step, step]
+    self._traced[1] = step
+
+  def after(self, step: int, outputs) -> None:
+    """Stops tracing at the last step of the range, once the devices have finished it."""
+    if self._traced is not None and step == self.steps[1]:
+      jax.block_until_ready(outputs)
+      self._stop()
+
+  def _stop(self) -> None:
+    jax.profiler.stop_trace()
+    first, last = self._traced
+    self._traced = None
+    say(f"profiled steps {first}-{last} in {self.directory}: tensorboard --logdir={self.directory}, Profile tab")
+
+  def __enter__(self) -> "StepProfiler":
+    return self
+
+  def __exit__(self, *exception) -> None:
+    if self._traced is not None:
+      self._stop()

@@ -1,6 +1,7 @@
 """What verifying a checkpoint costs: the checksums of a train state against saving and restoring it.
 
   python benchmarks/checkpoint_checksums.py [--millions=100] [--repeats=3]
+  python benchmarks/checkpoint_checksums.py --millions=20 --repeats=5
 
 Builds a state of float32 arrays shaped like a transformer's (params plus Adam's two moments, so
 3 x `--millions` million numbers), then times, interleaved, `checkpoints.checksums` (one pass over
@@ -9,18 +10,25 @@ same state to a local temporary directory. Prints medians and the ratio.
 """
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 
-import jax
-import jax.numpy as jnp
-import orbax.checkpoint as ocp
+from pretrain import cli
 
-from pretrain import checkpoints
+
+def make_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python benchmarks/checkpoint_checksums.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--millions", type=int, default=100, help="millions of parameters")
+  parser.add_argument("--repeats", type=int, default=3, help="timings of each, interleaved; the medians are printed")
+  return parser
 
 
 def state_of(millions: int):
   """Layers of [1024, 4096] float32 matrices (4M numbers each), three copies: params, mu, nu."""
+  import jax
+  import jax.numpy as jnp
   layers = max(1, millions // 4)
   keys = jax.random.split(jax.random.PRNGKey(0), layers)
   params = {f"layer_{i}": jax.random.normal(k, (1024, 4096)) for i, k in enumerate(keys)}
@@ -28,10 +36,11 @@ def state_of(millions: int):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--millions", type=int, default=100, help="millions of parameters")
-  parser.add_argument("--repeats", type=int, default=3)
-  args = parser.parse_args()
+  import jax
+  import orbax.checkpoint as ocp
+
+  from pretrain import checkpoints
+  args = make_parser().parse_args()
   state = state_of(args.millions)
   numbers = sum(x.size for x in jax.tree.leaves(state))
   checkpoints.checksums(state)  # compiles
@@ -58,4 +67,5 @@ def main():
 
 
 if __name__ == "__main__":
+  cli.start(sys.argv, make_parser().format_help())
   main()

@@ -1,6 +1,6 @@
 """One host's input pipeline for a run, on this machine: how fast it makes that host's batches.
 
-  python benchmarks/input_pipeline.py --gin_file=gin_configs/runs/xlnet_large_v3_512.gin \
+  python benchmarks/input_pipeline.py --gin_file=gin_configs/runs/xlnet_large_v3_512.gin \\
       [--processes=64] [--batches=20] [--step_seconds=1.56] [--gin.KEY=VALUE ...]
 
 Builds the run's data exactly as pretrain.train does on process 0 of `--processes` (its share of
@@ -15,18 +15,24 @@ import os
 import sys
 import time
 
-from pretrain import cli, trainer
+from pretrain import cli
 
 DATA_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "seed", "data_shards")
 
 
-def parse(argv):
-  files, bindings, rest = cli.split_gin_args(argv)
+def make_parser() -> argparse.ArgumentParser:
+  """Its flags besides the gin ones (which cli.split_gin_args takes out first)."""
   parser = argparse.ArgumentParser(prog="python benchmarks/input_pipeline.py", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   epilog=cli.gin_flags_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--processes", type=int, default=64, help="hosts that share the global batch")
   parser.add_argument("--batches", type=int, default=20, help="batches timed after the first")
   parser.add_argument("--step_seconds", type=float, help="the step time the pipeline must keep up with")
+  return parser
+
+
+def parse(argv):
+  files, bindings, rest = cli.split_gin_args(argv)
+  parser = make_parser()
   args = parser.parse_args(rest)
   if not files:
     parser.error("give the run: --gin_file=gin_configs/runs/<run>.gin")
@@ -37,6 +43,7 @@ def parse(argv):
 
 def main(argv) -> None:
   files, bindings, args = parse(argv)
+  from pretrain import trainer
   cli.parse_gin(files, bindings)
   run = cli.bound_arguments(trainer.train, DATA_ARGUMENTS)
   family = trainer.fitted_family(run["family"], run["mixture_or_task_name"], run["task_feature_lengths"])
@@ -64,4 +71,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  cli.start(sys.argv, make_parser().format_help())
   cli.run("input_pipeline", lambda: main(sys.argv[1:]))

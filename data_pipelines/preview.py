@@ -1,19 +1,21 @@
 """Prints a task's examples as the model sees them: after the objective, at fixed lengths.
 
   python -m data_pipelines.preview --task=demo_bert_mlm_nsp --num_examples=2
-  python -m data_pipelines.preview --task=demo_albert_mlm_sop --format=jsonl \
+  python -m data_pipelines.preview --task=demo_albert_mlm_sop --format=jsonl \\
       --feature_lengths=input_ids=512,masked_positions=76
 
 text: every feature's ids, plus the decoded text of token features (targets such as masked_ids
 piece by piece); 2-D features (XLNet's perm_mask, target_mapping) as shape and number of ones.
 jsonl: one JSON object per example, every feature as a number or (nested) list of numbers.
 """
+from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
+
 import json
 import sys
 from typing import Dict, Optional
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from data_pipelines import features, tasks
 
@@ -85,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  startup.run_absl(main)

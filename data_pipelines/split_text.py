@@ -7,10 +7,12 @@ at batch 8192) every shard reads the whole corpus and keeps its share. This writ
 OUTPUT_DIR/part-<i>-of-<N>.txt (local or gs://): consecutive documents in input order, about
 1/N of the bytes each, cut only between documents (a blank line ends a document, as everywhere).
 """
+from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
+
 import sys
 
 import tensorflow as tf
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "Glob of text files (one sentence per line, blank line between documents).")
@@ -84,4 +86,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  startup.run_absl(main)

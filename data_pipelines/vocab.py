@@ -5,6 +5,8 @@ objectives take ids, not strings:  <pad>=0  </s>=1  <unk>=2  <s>=3  [CLS]=4  [SE
 
   python -m data_pipelines.vocab --input='/data/*.txt' --vocab_size=32000 --output=/data/spm
 """
+from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
+
 import dataclasses
 import functools
 import glob
@@ -14,7 +16,7 @@ import sys
 import numpy as np
 import sentencepiece as spm
 import seqio
-from absl import app, flags
+from absl import flags
 from etils import epath
 from google.protobuf import message
 
@@ -119,4 +121,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  startup.run_absl(main)

@@ -1,6 +1,8 @@
 """Run N processes of one command on this machine as a multi-process JAX job on CPU devices.
 
   python -m launch.local --num_processes=N [--devices_per_process=K] [--port=P] -- <command...>
+  python -m launch.local --num_processes=2 -- python -m pretrain.train \\
+      --gin_file=gin_configs/runs/bert_tiny_demo.gin --gin.MODEL_DIR="'/tmp/bert_2_processes'"
 
 Each child gets the parent's environment plus:
   JAX_COORDINATOR_ADDRESS       127.0.0.1:PORT (PORT: --port, else a free one)

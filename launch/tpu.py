@@ -1,8 +1,10 @@
 """Manage a Cloud TPU slice and run `pretrain.train` on all its hosts.
 
-  python -m launch.tpu create|setup|run|status|logs|delete --name=NAME --zone=ZONE \
-      [--accelerator_type=v3-512] [--runtime_version=tpu-ubuntu2204-base] [--spot|--preemptible] \
+  python -m launch.tpu create|setup|run|status|logs|delete --name=NAME --zone=ZONE \\
+      [--accelerator_type=v3-512] [--runtime_version=tpu-ubuntu2204-base] [--spot|--preemptible] \\
       [--queued] [--project=PROJECT] [--dry_run]
+  python -m launch.tpu run --name=xlnet-large --zone=europe-west4-a \\
+      --gin_file=gin_configs/runs/xlnet_large_v3_512.gin --model_dir=gs://BUCKET/xlnet_large --dry_run
 
   create  creates the slice (`tpu-vm create`, or a queued resource with --queued, waiting until ACTIVE).
   setup   puts the project in ~/pod-pretrain on every host (copies this tree, or clones --repo_url

@@ -1,4 +1,4 @@
-"""Shared command-line plumbing: T5X-style gin flags, gin-bound arguments, one-line errors."""
+"""Shared command-line plumbing: T5X-style gin flags and their --help, gin-bound arguments, one-line errors."""
 import copy
 import inspect
 import os
@@ -13,6 +13,49 @@ from pretrain.errors import USER_ERRORS, ConfigError, one_line, user_settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _UNSET_ARGUMENT = "No values supplied by Gin or caller for arguments"  # gin's words for a missing binding
+
+GIN_FLAGS = """\
+  --gin_file=FILE             a gin file: a run (gin_configs/runs/*.gin), then any others; may repeat,
+                              later files win. Paths are looked up in the current directory, then the
+                              project's.
+  --gin.KEY=VALUE             sets one macro or binding, e.g. --gin.TRAIN_STEPS=1000; a string needs
+                              inner quotes: --gin.MODEL_DIR="'/tmp/run'"
+  --gin_bindings='KEY = VALUE'  the same in gin's syntax; may repeat"""
+
+GIN_MACROS = """\
+macros most runs set (defaults in gin_configs/runs/pretrain.gin and the run file):
+  MODEL_DIR                   checkpoints, metrics.jsonl, TensorBoard events (local path or gs://)
+  TRAIN_STEPS                 steps to train; a run resumes from MODEL_DIR's latest checkpoint
+  BATCH_SIZE                  global batch (all hosts together)
+  LEARNING_RATE, WARMUP_STEPS, OPTIMIZER ('adamw' or 'lamb'), WEIGHT_DECAY, CLIP_NORM
+  TRAIN_FILES, VALIDATION_FILES, VOCAB_MODEL   your text and sentencepiece model (unset: the demo corpus)
+  MIXTURE_OR_TASK_NAME, TASK_FEATURE_LENGTHS   the seqio task and its lengths
+  LOG_EVERY_STEPS, CHECKPOINT_EVERY_STEPS, EVAL_EVERY_STEPS
+  MESH_SHAPE                  e.g. "{'data': -1, 'fsdp': 1, 'model': 1}" (-1: the remaining devices)
+  MICROBATCHES or MICROBATCH_ROWS_PER_GROUP, DATA_SHARDS, NUM_SLICES, SEED, PROFILE_STEPS
+and any model setting by name, e.g. --gin.bert.BertConfig.num_layers=4 (see gin_configs/models/)."""
+
+
+def gin_flags_help() -> str:
+  """The gin flags and the macros most runs set, for a program that takes them (an argparse epilog)."""
+  return f"gin flags:\n{GIN_FLAGS}\n\n{GIN_MACROS}"
+
+
+def gin_help(doc: str, flags: str = "") -> str:
+  """-h/--help of a gin program: its docstring (what it does, with an example command), its own `flags`
+  (lines laid out as GIN_FLAGS'), the gin flags and the macros most runs set."""
+  own = f"{flags.rstrip()}\n" if flags else ""
+  return (f"{doc.strip()}\n\nflags:\n{own}{GIN_FLAGS}\n  -h, --help                  show this help and exit"
+          f"\n\n{GIN_MACROS}")
+
+
+def start(argv: Sequence[str], help_text: str) -> None:
+  """What a program does first: with -h or --help in argv[1:], print `help_text` and exit 0; otherwise
+  start TensorFlow and JAX quietly (data_pipelines.startup), before anything else imports them."""
+  if any(arg in ("-h", "--help") for arg in argv[1:]):
+    print(help_text.rstrip("\n"))
+    sys.exit(0)
+  from data_pipelines import startup  # noqa: F401  (importing it is the start)
 
 
 def split_gin_args(argv: Sequence[str]) -> Tuple[List[str], List[str], List[str]]:

@@ -1,6 +1,10 @@
 """`make demo`: build the demo corpus and vocabulary, then pretrain tiny models on the CPU.
 
   python -m pretrain.demo --output_dir=demo_output [--runs=bert_tiny_demo,...] [--train_steps=N]
+  python -m pretrain.demo --output_dir=/tmp/demo --runs=bert_tiny_demo --train_steps=50
+
+Each run is gin_configs/runs/<run>.gin with MODEL_DIR=<output_dir>/<run>, and resumes from what that
+directory holds. To change more than the steps, run pretrain.train on the run file (its --help).
 """
 import argparse
 import os
@@ -13,12 +17,14 @@ DEFAULT_RUNS = ("bert_tiny_demo", "xlnet_tiny_demo")
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--output_dir", default="demo_output")
+  parser = argparse.ArgumentParser(prog="python -m pretrain.demo", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--output_dir", default="demo_output", help="a directory per run goes here")
   parser.add_argument("--runs", default=",".join(DEFAULT_RUNS), help="comma-separated gin_configs/runs/<name>.gin")
   parser.add_argument("--train_steps", type=int, default=None, help="override TRAIN_STEPS")
   args = parser.parse_args(argv)
 
+  from data_pipelines import startup  # noqa: F401  (first: TensorFlow and JAX start quietly)
   import gin
 
   from data_pipelines import demo_corpus

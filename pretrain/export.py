@@ -2,6 +2,7 @@
 
   python -m pretrain.export --model_dir=DIR [--step=N] --output_dir=OUT [--dtype=float32|bfloat16] \\
       [--skip_check] [--overwrite]
+  python -m pretrain.export --model_dir=/tmp/pod_pretrain/bert_tiny_demo --output_dir=/tmp/bert_hf
 
 OUT gets config.json (the family's transformers class, e.g. BertForPreTraining), model.safetensors
 and a tokenizer for `transformers.AutoTokenizer`: tokenizer.json + tokenizer_config.json, plus the
@@ -16,6 +17,8 @@ the left), <s> A </s> for BART. `add_special_tokens=False` gives exactly the seq
 
 `load_pretrained(model_dir)` returns (flax module, numpy params, seqio vocabulary) for JAX fine-tuning.
 """
+from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
+
 import dataclasses
 import os
 import re
@@ -25,7 +28,7 @@ from typing import Dict, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 
 from data_pipelines import vocab as vocab_lib
@@ -217,4 +220,4 @@ if __name__ == "__main__":
   flags.DEFINE_enum("dtype", "float32", DTYPES, "Weight dtype in model.safetensors.")
   flags.DEFINE_bool("skip_check", False, "Do not reload the export and compare its logits with ours.")
   flags.DEFINE_bool("overwrite", False, "Replace a non-empty --output_dir.")
-  app.run(lambda argv: cli.run("pretrain.export", lambda: main(argv)))
+  startup.run_absl(lambda argv: cli.run("pretrain.export", lambda: main(argv)))

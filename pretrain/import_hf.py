@@ -1,6 +1,7 @@
 """Import a HuggingFace model to continue pretraining it with this framework.
 
   python -m pretrain.import_hf --hf_dir=DIR --model_dir=OUT [--overwrite]
+  python -m pretrain.import_hf --hf_dir=/tmp/bert_hf --model_dir=/tmp/bert_continued
 
 DIR holds one of the registry's classes (BertForPreTraining, AlbertForPreTraining, XLNetLMHeadModel,
 BartForConditionalGeneration): config.json, model.safetensors or pytorch_model.bin and, if the
@@ -13,6 +14,8 @@ the model's architecture. Training in OUT starts from these weights with a fresh
   python -m pretrain.train --gin_file=<a run file of the family> --gin_file=OUT/import.gin \\
       --gin.MODEL_DIR="'OUT'" --gin.TRAIN_FILES="'/data/*.txt'"
 """
+from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
+
 import dataclasses
 import io
 import json
@@ -21,7 +24,7 @@ from typing import Dict, Optional
 
 import numpy as np
 import sentencepiece as spm
-from absl import app, flags, logging
+from absl import flags, logging
 from etils import epath
 
 from data_pipelines import vocab as vocab_lib
@@ -118,4 +121,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("hf_dir", None, "HuggingFace model directory (config.json + weights).")
   flags.DEFINE_string("model_dir", None, "New training directory (MODEL_DIR) to write.")
   flags.DEFINE_bool("overwrite", False, "Replace a non-empty --model_dir.")
-  app.run(lambda argv: cli.run("pretrain.import_hf", lambda: main(argv)))
+  startup.run_absl(lambda argv: cli.run("pretrain.import_hf", lambda: main(argv)))

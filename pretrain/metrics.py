@@ -1,6 +1,12 @@
 """Where metrics go: a progress line on stdout, TensorBoard events and MODEL_DIR/metrics.jsonl.
 
 Only process 0 writes; the others stay quiet so a pod's logs are readable.
+
+The progress line is a plain line printed every LOG_EVERY_STEPS steps, not a tqdm or rich bar (both
+installed as other packages' dependencies): a bar redraws itself with carriage returns, or needs a
+terminal, and runs mostly write to files (launch.tpu's ~/pod-pretrain.log, launch.local's
+"[process i]" lines, CI logs), where each redraw becomes a fragment. A full line per logged step reads
+the same in a terminal and in a file, greps, and carries the run's own speed figures (throughput.py).
 """
 import json
 import time

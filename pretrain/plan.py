@@ -83,6 +83,11 @@ STEP_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "bat
                   "optimizer", "schedule", "microbatches", "microbatch_rows_per_group", "num_slices")
 
 
+HELP = cli.gin_help(__doc__, flags=f"""\
+  --topology=vN:AxB[xC]       libtpu's name of the slice, in chips (default {DEFAULT_TOPOLOGY}, a v3-512)
+  --num_slices=N              slices joined over DCN (default: the run's NUM_SLICES)""")
+
+
 class DoesNotFit(Exception):
   """The step needs more HBM than the device has; the message says so in one line."""
 
@@ -374,4 +379,5 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  cli.start(sys.argv, HELP)
   cli.run("pretrain.plan", lambda: main(sys.argv))

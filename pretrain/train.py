@@ -1,14 +1,17 @@
-"""Pretraining entry point (T5X conventions).
+"""Pretrains a model as gin files describe it (T5X's conventions): a run file (gin_configs/runs/)
+names the model, objective, data and schedule; flags override any of it.
 
   python -m pretrain.train --gin_file=gin_configs/runs/bert_tiny_demo.gin \\
       --gin.MODEL_DIR="'/tmp/bert'" --gin.TRAIN_STEPS=1000
 
-`--gin_file` may repeat; `--gin_bindings='KEY = VALUE'` and `--gin.KEY=VALUE` override anything.
+A run resumes from the latest checkpoint in MODEL_DIR. See README.md, "Train".
 """
 import sys
 
 from pretrain import cli, distributed
 from pretrain.errors import ConfigError
+
+HELP = cli.gin_help(__doc__)
 
 
 def main(argv) -> None:
@@ -28,5 +31,6 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
+  cli.start(sys.argv, HELP)
   distributed.initialize()
   cli.run("pretrain.train", lambda: main(sys.argv))

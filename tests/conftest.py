@@ -32,13 +32,15 @@ def demo_paths() -> dict:
 @pytest.fixture(scope="session")
 def bert_on_eight_devices(tmp_path_factory):
   """MODEL_DIR of BERT trained EIGHT_DEVICE_STEPS steps (SMALL_BERT, every step logged) on 8 host devices
-  (mesh data=4, model=2), in its own process; the export tests and the sharding test share it."""
-  from helpers import EIGHT_DEVICE_STEPS, host_devices, run_module, small_bert_flags
+  (mesh data=4, model=2), in its own process; the export tests and the sharding test share it. The
+  process's stderr is in the file next to MODEL_DIR named STDERR_FILE."""
+  from helpers import EIGHT_DEVICE_STEPS, STDERR_FILE, host_devices, run_module, small_bert_flags
   model_dir = tmp_path_factory.mktemp("bert_eight_devices") / "run"
   result = run_module("pretrain.train", *small_bert_flags(model_dir, EIGHT_DEVICE_STEPS), "--gin.LOG_EVERY_STEPS=1",
                       "--gin.MESH_SHAPE={'data': 4, 'model': 2}", env=host_devices(8))
   assert result.returncode == 0, result.stderr[-2000:]
   assert "'data': 4" in result.stdout and "'model': 2" in result.stdout, result.stdout[-2000:]
+  (model_dir.parent / STDERR_FILE).write_text(result.stderr)
   return model_dir
 
 

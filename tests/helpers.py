@@ -57,6 +57,7 @@ SMALL_BERT = [
 
 
 EIGHT_DEVICE_STEPS = 5  # the steps of conftest's bert_on_eight_devices run
+STDERR_FILE = "stderr.txt"  # that run's stderr, beside its MODEL_DIR
 
 
 def small_bert_flags(model_dir, steps):

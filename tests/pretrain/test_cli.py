@@ -1,10 +1,14 @@
 """What a user gets wrong ends pretrain.train with one line naming it and exit code 1; a bug keeps its
 traceback. The cases fail before any training, so they run in this process through the program's
-own main and error handling."""
+own main and error handling. Every program has a --help; a run prints no start-up noise."""
+import json
+import re
+import sys
+
 import gin
 import pytest
 
-from helpers import run_train
+from helpers import ROOT, STDERR_FILE, run, run_train
 from pretrain import cli, train, trainer
 
 BERT_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin"
@@ -60,3 +64,77 @@ def test_a_bug_is_not_reported_as_a_user_error(monkeypatch, tmp_path):
   gin.clear_config()
   with pytest.raises(KeyError, match="masked_ids"):
     cli.run("pretrain.train", lambda: train.main(["pretrain.train", BERT_RUN, f"--gin.MODEL_DIR='{tmp_path}'"]))
+
+
+# Every command-line program and a flag its --help must list.
+PROGRAMS = {
+    "pretrain.train": "--gin_file", "pretrain.plan": "--topology", "pretrain.export": "--output_dir",
+    "pretrain.import_hf": "--hf_dir", "pretrain.demo": "--train_steps", "data_pipelines.vocab": "--vocab_size",
+    "data_pipelines.split_text": "--num_files", "data_pipelines.preview": "--num_examples",
+    "launch.local": "--num_processes", "launch.tpu": "--accelerator_type",
+    "benchmarks/input_pipeline.py": "--step_seconds", "benchmarks/checkpoint_checksums.py": "--millions",
+    "benchmarks/plan_xlnet_large_v3_512.py": "--gin.KEY=VALUE",
+}
+GIN_PROGRAMS = ("pretrain.train", "pretrain.plan", "benchmarks/input_pipeline.py",
+                "benchmarks/plan_xlnet_large_v3_512.py")
+START_UP_NOISE = re.compile(r"cuInit|cuda_|absl::InitializeLog|rebuild TensorFlow")
+
+# Runs `PROGRAM --help` for each program given, as `python -m` or `python FILE` would, all in one process
+# (their imports are shared); prints {program: [exit code, stdout]} as JSON. The absl programs define
+# flags of the same names (--model_dir, --input): the project's flags go before each program runs.
+HELP_OF_EACH = r"""
+import contextlib, io, json, runpy, sys
+from absl import flags
+
+def forget_project_flags():
+  for module, module_flags in list(flags.FLAGS.flags_by_module_dict().items()):
+    if module.endswith(".py") or module.startswith(("pretrain", "data_pipelines")):
+      for flag in list(module_flags):
+        if flag.name in flags.FLAGS:
+          delattr(flags.FLAGS, flag.name)
+
+results = {}
+for program in sys.argv[1:]:
+  forget_project_flags()
+  sys.argv = [program, "--help"]
+  stdout, code = io.StringIO(), "returned"
+  with contextlib.redirect_stdout(stdout):
+    try:
+      if program.endswith(".py"):
+        runpy.run_path(program, run_name="__main__")
+      else:
+        runpy.run_module(program, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+      code = e.code or 0
+  results[program] = [code, stdout.getvalue()]
+print(json.dumps(results))
+"""
+
+
+def test_every_program_has_a_help_with_its_flags_and_an_example():
+  result = run([sys.executable, "-c", HELP_OF_EACH, *PROGRAMS], timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  helps = json.loads(result.stdout.splitlines()[-1])
+  for program, flag in PROGRAMS.items():
+    code, text = helps[program]
+    assert code == 0, (program, code, text[-500:])
+    command = f"python {program}" if program.endswith(".py") else f"python -m {program}"
+    assert re.search(rf"^ +{re.escape(command)} [-\w]", text, re.MULTILINE), (program, "no example", text)
+    assert flag in text and "--logtostderr" not in text, (program, text)  # its own flags, not absl's
+    if program in GIN_PROGRAMS:
+      for listed in ("--gin_file=", "--gin.KEY=VALUE", "--gin_bindings=", "MODEL_DIR", "TRAIN_STEPS", "BATCH_SIZE"):
+        assert listed in text, (program, listed)
+  assert not START_UP_NOISE.search(result.stderr), result.stderr[-3000:]
+
+
+def test_the_macros_the_help_names_are_set_in_gin_configs():
+  text = "\n".join(path.read_text() for path in (ROOT / "gin_configs").rglob("*.gin"))
+  defined = set(re.findall(r"^([A-Z][A-Z0-9_]*) *=", text, re.MULTILINE))
+  named = set(re.findall(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]+\b|\b[A-Z]{4,}\b", cli.GIN_MACROS))
+  assert named and named <= defined, named - defined
+
+
+def test_a_cpu_run_prints_no_start_up_noise(bert_on_eight_devices):
+  """TensorFlow's CUDA probing and absl's early-logging warning stay off stderr (data_pipelines.startup)."""
+  stderr = (bert_on_eight_devices.parent / STDERR_FILE).read_text()
+  assert not [line for line in stderr.splitlines() if START_UP_NOISE.search(line)], stderr[-3000:]

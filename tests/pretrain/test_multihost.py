@@ -114,9 +114,11 @@ def interrupted_run(tmp_path_factory):
   model_dir = tmp_path_factory.mktemp("two_processes")
   preempted = _preempted(model_dir)
   killed = _killed(model_dir, after_checkpoint=max(preempted["checkpoints"], default=0))
+  as_killed = tmp_path_factory.mktemp("as_killed") / "run"  # a test resumes model_dir itself
+  shutil.copytree(model_dir, as_killed)
   return {"model_dir": model_dir, "preempted": preempted, "output": preempted["output"] + killed["output"],
           "returncode": killed["returncode"], "killed_output": killed["output"],
-          "losses": logged_losses(model_dir), "latest": killed["latest"]}
+          "losses": logged_losses(model_dir), "latest": killed["latest"], "as_killed": as_killed}
 
 
 def test_sigterm_to_one_process_makes_both_save_one_step_and_exit_0(interrupted_run):
@@ -157,9 +159,9 @@ def test_a_resume_on_one_process_continues_the_two_processes_run_exactly(interru
   """Params, optimizer state and the data position saved by two processes of two devices resume on one
   process of one device: the next steps' losses are the uninterrupted run's (the same DATA_SHARDS)."""
   model_dir = tmp_path / "run"
-  shutil.copytree(interrupted_run["model_dir"], model_dir)
-  latest = max(_finished_checkpoints(model_dir))
-  steps = range(latest + 1, min(latest + 3, TRAIN_STEPS) + 1)
+  shutil.copytree(interrupted_run["as_killed"], model_dir)
+  latest = interrupted_run["latest"]
+  steps = range(latest + 1, latest + 4)  # the kill came before TRAIN_STEPS, at a checkpoint 5 steps apart
   gin.clear_config()
   cli.run("pretrain.train", lambda: train_program.main(
       ["pretrain.train", *train_args(model_dir, steps[-1]), "--gin.MESH_SHAPE={'data': 1}",

@@ -4,14 +4,16 @@
       [--processes=64] [--batches=20] [--step_seconds=1.56] [--gin.KEY=VALUE ...]
 
 Builds the run's data exactly as pretrain.train does on process 0 of `--processes` (its share of
-the global batch, its data shards, XLNet's one stream per row), then times the first batch
+the global batch: its data shards, or XLNet's row streams), then times the first batch
 (start-up: reading, tokenizing and filling buffers) and the next `--batches`. With
 `--step_seconds` (e.g. the plan's step-time estimate) it prints the examples per second one host
-must reach. The run file's TRAIN_FILES (unset: the demo corpus) are read; point them at real data
-for real figures. A TPU v3 host has 96 vCPUs: compare per-core rates, not totals.
+must reach, and the peak RSS of the process. The run file's TRAIN_FILES (unset: the demo corpus)
+are read (XLNet: tokenized first, unless TOKEN_DIR is set; that time is not counted); point them at
+real data for real figures. A TPU v3 host has 96 vCPUs: compare per-core rates, not totals.
 """
 import argparse
 import os
+import resource
 import sys
 import time
 
@@ -43,6 +45,7 @@ def parse(argv):
 
 def main(argv) -> None:
   files, bindings, args = parse(argv)
+  from data_pipelines import tasks
   from pretrain import trainer
   cli.parse_gin(files, bindings)
   run = cli.bound_arguments(trainer.train, DATA_ARGUMENTS)
@@ -50,9 +53,12 @@ def main(argv) -> None:
   data = trainer.input_pipeline_for_run(family, run["mixture_or_task_name"], run["task_feature_lengths"],
                                         run["batch_size"], 1, run["seed"], run["data_shards"], process_index=0,
                                         process_count=args.processes)
+  reads = ("row streams of one token file, in one pipeline" if data.reads_streams else
+           f"{data.shards_per_process} data shard(s) of {data.num_data_shards}")
   print(f"{family.name}: global batch {run['batch_size']}, {args.processes} hosts -> {data.host_batch_size} "
-        f"rows per host from {data.shards_per_process} data shard(s) of {data.num_data_shards}; "
-        f"this machine has {os.cpu_count()} CPUs")
+        f"rows per host from {reads}; this machine has {os.cpu_count()} CPUs")
+  if data.reads_streams:  # tokenized ahead, as a pod run's TOKEN_DIR is: not part of the start-up
+    tasks.token_file(data.task, "train")
   start = time.perf_counter()
   batches = data.iterator("train")
   next(batches)
@@ -62,8 +68,9 @@ def main(argv) -> None:
     next(batches)
   per_batch = (time.perf_counter() - start) / args.batches
   examples_per_second = data.host_batch_size / per_batch
+  peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
   print(f"first batch after {first:.1f} s; then {per_batch:.2f} s per batch = {examples_per_second:.1f} examples/s "
-        f"({examples_per_second / os.cpu_count():.1f} per CPU)")
+        f"({examples_per_second / os.cpu_count():.1f} per CPU); peak RSS {peak_rss:.2f} GiB")
   if args.step_seconds:
     needed = data.host_batch_size / args.step_seconds
     verdict = "keeps up" if examples_per_second >= needed else f"needs {needed / examples_per_second:.1f}x this speed"

@@ -18,8 +18,13 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'`])")
 _MIN_WORDS = 3
 
 
+def cache_root() -> Path:
+  """Where built data is kept: the demo corpus, and token files tokenized on first use."""
+  return Path(os.environ.get("POD_PRETRAIN_CACHE", Path.home() / ".cache" / "pod_pretrain"))
+
+
 def cache_dir() -> Path:
-  return Path(os.environ.get("POD_PRETRAIN_CACHE", Path.home() / ".cache" / "pod_pretrain")) / "demo"
+  return cache_root() / "demo"
 
 
 def _docstrings(source_file: Path):

@@ -1,19 +1,22 @@
-"""Per-host batches of a seqio task: this process's shards, fixed shapes, checkpointable iterators.
+"""Per-host batches of a seqio task: this process's part of the global batch, fixed shapes, a data
+position that does not depend on the number of processes.
 
-The global batch is made of `num_data_shards` equal parts, each read from its own seqio shard
-(`ShardInfo(index, num_data_shards)`); a process reads the contiguous run of shards its rows
-belong to. By default there is one shard per process. Fixing the number of shards keeps the global
-batch the same however many processes read it (1 process × 4 devices = 2 processes × 2 devices),
-and one shard per batch row gives every row its own continuous stream (XLNet's memory needs that).
-With `bi_data` (XLNet), odd shards read the backward task (`<task>_backward`) of the shard before
-them: each forward row is paired with the same text read right to left.
+Tasks of independent examples (BERT, ALBERT, BART, T5): the global batch is made of
+`num_data_shards` equal parts, each read from its own seqio shard (`ShardInfo(index,
+num_data_shards)`); a process reads the contiguous run of shards its rows belong to. By default
+there is one shard per process. Fixing the number of shards keeps the global batch the same however
+many processes read it (1 process × 4 devices = 2 processes × 2 devices). A mixture samples its tasks
+with a seed of its own per shard, so the rows of a batch do not all draw the same task at once. Each
+shard has its own iterator, saved on its own (`ShardIterators`).
 
-A mixture samples its tasks with a seed of its own per shard, so the rows of a batch do not all
-draw the same task at once. Each shard has its own iterator, saved on its own: the data position
-of a run does not depend on how many processes read it (`ShardIterators`).
+Tasks whose examples continue one text stream (XLNet): every row reads its own stream of the task's
+token file, in one pipeline per process however many rows it has (`row_streams`); a batch is made
+from the step number alone, so the data position is the number of batches taken (`StepIterator`).
+With `bi_data`, odd rows read the text of the row before them right to left.
 """
+import json
 import os
-from typing import Dict, Iterator, List, Mapping, Optional
+from typing import Callable, Dict, Iterator, Mapping, Optional
 
 import jax
 import numpy as np
@@ -22,6 +25,7 @@ import tensorflow as tf
 
 from data_pipelines import sources, tasks
 from data_pipelines.feature_converters import FixedShapeFeatureConverter
+from data_pipelines.row_streams import RowStreams
 
 REREAD_WARNING_BYTES = 2**30  # a host reading its text more than once beyond this is worth a warning
 
@@ -40,6 +44,12 @@ class InputPipeline:
     self.feature_lengths = dict(feature_lengths)
     self.process_index = jax.process_index() if process_index is None else process_index
     self.process_count = jax.process_count() if process_count is None else process_count
+    self.reads_streams = tasks.continues_across_examples(self.task)
+    if self.reads_streams and num_data_shards:
+      raise ValueError(f"DATA_SHARDS={num_data_shards} does not apply to {task_name!r}: each of its rows reads a "
+                       "stream of its token file; leave DATA_SHARDS unset")
+    if bi_data and not self.reads_streams:
+      raise ValueError(f"bi_data needs a task whose rows read text streams (xlnet_plm); {task_name!r} is not one")
     self.num_data_shards = num_data_shards or self.process_count
     for divisor, what in ((self.process_count, "processes"), (data_parallel_groups, "data-parallel groups of the mesh"),
                           (self.num_data_shards, "data shards")):
@@ -47,14 +57,15 @@ class InputPipeline:
         raise ValueError(f"BATCH_SIZE={global_batch_size} is not divisible by the {divisor} {what}")
     if self.num_data_shards % self.process_count:
       raise ValueError(f"DATA_SHARDS={self.num_data_shards} is not a multiple of the {self.process_count} processes")
+    self.global_batch_size = global_batch_size
     self.host_batch_size = global_batch_size // self.process_count
     self.shards_per_process = self.num_data_shards // self.process_count
     self.converter = FixedShapeFeatureConverter(model_features)
     self.seed = seed
     self.bi_data = bi_data
-    if bi_data and self.shards_per_process % 2:
-      raise ValueError(f"bi_data needs an even number of data shards per process, got {self.shards_per_process}")
-    if self.process_index == 0:
+    if bi_data and global_batch_size % 2:
+      raise ValueError(f"bi_data pairs forward and backward rows: BATCH_SIZE={global_batch_size} must be even")
+    if self.process_index == 0 and not self.reads_streams:
       self._warn_if_shards_reread("train")
 
   @property
@@ -64,20 +75,9 @@ class InputPipeline:
   def has_split(self, split: str) -> bool:
     return split in self.task.splits
 
-  def data_shard(self, index: int) -> tuple:
-    """(task name, seqio shard) that data shard `index` of the global batch reads.
-
-    With bi_data, shards pair up: both read one of num_data_shards / 2 parts of the data, the even
-    one forwards and the odd one backwards.
-    """
-    if not self.bi_data:
-      return self.task.name, seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
-    task_name = self.task.name + tasks.BACKWARD_SUFFIX if index % 2 else self.task.name
-    return task_name, seqio.ShardInfo(index=index // 2, num_shards=self.num_data_shards // 2)
-
   def _warn_if_shards_reread(self, split: str) -> None:
     """Text sources shard by file: with fewer files than shards every shard reads all of them."""
-    num_shards = self.data_shard(0)[1].num_shards
+    num_shards = self.num_data_shards
     for task in seqio.get_subtasks(self.task):
       source = task.source
       if not isinstance(source, sources.TextDocumentSource) or split not in source.splits:
@@ -92,28 +92,41 @@ class InputPipeline:
               f"shards, so each shard reads all of them: {per_host / 2**30:.1f} GiB per host per pass. "
               f"Split the text into {num_shards} files: python -m data_pipelines.split_text --num_files={num_shards}")
 
-  def shard_datasets(self, split: str, shuffle: bool, repeat: bool) -> Dict[int, tf.data.Dataset]:
-    """Data shard index -> batches of its rows, for each data shard this process reads."""
+  def shard_datasets(self, split: str, shuffle: bool) -> Dict[int, tf.data.Dataset]:
+    """Data shard index -> batches of its rows, repeated, for each data shard this process reads."""
     rows_per_shard = self.host_batch_size // self.shards_per_process
-    shuffle = shuffle and not tasks.continues_across_examples(self.task)
     datasets, first = {}, self.process_index * self.shards_per_process
     for index in range(first, first + self.shards_per_process):
-      task_name, shard = self.data_shard(index)
-      shard_seed = int(np.random.SeedSequence((self.seed, shard.index)).generate_state(1)[0])
-      ds = tasks.get_dataset(seqio.get_mixture_or_task(task_name), self.feature_lengths,
-                             features=self.converter.model_features, split=split, shuffle=shuffle,
-                             num_epochs=None if repeat else 1, shard_info=shard, seed=shard_seed)
+      shard = seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
+      shard_seed = int(np.random.SeedSequence((self.seed, index)).generate_state(1)[0])
+      ds = tasks.get_dataset(self.task, self.feature_lengths, features=self.converter.model_features, split=split,
+                             shuffle=shuffle, num_epochs=None, shard_info=shard, seed=shard_seed)
       datasets[index] = self.converter(ds, self.feature_lengths).batch(rows_per_shard, drop_remainder=True)
     return datasets
 
-  def iterator(self, split: str = "train") -> "ShardIterators":
-    """This process's batches, read on: one iterator per data shard, each of which can be saved and restored."""
-    datasets = self.shard_datasets(split, shuffle=True, repeat=True)
+  def stream_batches(self, split: str, first_step: int, say=print) -> tf.data.Dataset:
+    """This process's rows of the row streams' batches from `first_step` on."""
+    reading = tasks.stream_reading(self.task, self.feature_lengths)
+    streams = RowStreams(tasks.token_file(self.task, split, say=say), num_rows=self.global_batch_size,
+                         bi_data=self.bi_data, step_len=reading.step_len, window_len=reading.window_len, seed=self.seed)
+    first_row = self.process_index * self.host_batch_size
+    examples = streams.dataset(range(first_row, first_row + self.host_batch_size), first_step, reading.example)
+    return self.converter(examples, self.feature_lengths).batch(self.host_batch_size, drop_remainder=True)
+
+  def iterator(self, split: str = "train", say=print):
+    """This process's batches, read on, in an iterator whose position can be saved and restored."""
+    if self.reads_streams:
+      return StepIterator(lambda first_step: self.stream_batches(split, first_step, say).prefetch(2),
+                          write=self.process_index == 0)
+    datasets = self.shard_datasets(split, shuffle=True)
     return ShardIterators({index: iter(ds.prefetch(2)) for index, ds in datasets.items()}, self.num_data_shards)
 
   def take(self, split: str, num_batches: int):
     """The same first `num_batches` batches every call: a fixed held-out set for evaluation."""
-    parts = list(self.shard_datasets(split, shuffle=False, repeat=True).values())
+    if self.reads_streams:
+      yield from self.stream_batches(split, 0).take(num_batches).as_numpy_iterator()
+      return
+    parts = list(self.shard_datasets(split, shuffle=False).values())
     for batches in tf.data.Dataset.zip(tuple(parts)).take(num_batches):
       yield {k: np.concatenate([np.asarray(b[k]) for b in batches]) for k in batches[0]}
 
@@ -145,11 +158,48 @@ class ShardIterators:
     for index, iterator in self.iterators.items():
       tf.train.Checkpoint(iterator=iterator).write(self._file(directory, index))
 
-  def restore(self, directory) -> List[int]:
-    """Restores every shard's position if all were saved; returns the shards that were not (then none is
-    restored, and the stream starts from its beginning)."""
+  def restore(self, directory) -> Optional[str]:
+    """Restores every shard's position if all were saved; else restores none and says why."""
     missing = [index for index in self.iterators if not tf.io.gfile.exists(self._file(directory, index) + ".index")]
-    if not missing:
-      for index, iterator in self.iterators.items():
-        tf.train.Checkpoint(iterator=iterator).read(self._file(directory, index)).assert_consumed()
-    return missing
+    if missing:
+      return (f"it holds no position of data shard {missing[0]} of {self.num_shards} (DATA_SHARDS, or one per "
+              "process when unset)")
+    for index, iterator in self.iterators.items():
+      tf.train.Checkpoint(iterator=iterator).read(self._file(directory, index)).assert_consumed()
+    return None
+
+
+class StepIterator:
+  """Batches made from the step number alone (row streams): the data position is the number of batches
+  taken, one number for the whole run, written by process 0."""
+
+  FILE = "batches_taken.json"
+
+  def __init__(self, batches_from: Callable[[int], tf.data.Dataset], write: bool):
+    self._batches_from, self._write = batches_from, write
+    self.batches_taken, self._iterator = 0, None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    if self._iterator is None:  # made on first use: a restore before it moves the start
+      self._iterator = self._batches_from(self.batches_taken).as_numpy_iterator()
+    batch = next(self._iterator)
+    self.batches_taken += 1
+    return batch
+
+  def save(self, directory) -> None:
+    if self._write:
+      tf.io.gfile.makedirs(str(directory))
+      with tf.io.gfile.GFile(os.path.join(str(directory), self.FILE), "w") as f:
+        json.dump({"batches_taken": self.batches_taken}, f)
+
+  def restore(self, directory) -> Optional[str]:
+    path = os.path.join(str(directory), self.FILE)
+    if not tf.io.gfile.exists(path):
+      return "it holds the positions of data shards, not of row streams (saved by an earlier version)"
+    with tf.io.gfile.GFile(path) as f:
+      self.batches_taken = int(json.load(f)["batches_taken"])
+    self._iterator = None
+    return None

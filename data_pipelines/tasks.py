@@ -8,15 +8,14 @@ each objective emits are stated in `features.SCHEMAS`.
 """
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+import os
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import seqio
+import tensorflow as tf
 
-from data_pipelines import demo_corpus, features, sources, vocab
+from data_pipelines import demo_corpus, features, sources, token_files, vocab
 from data_pipelines.objectives import denoising, documents, mlm, nsp_sop, permutation, span_corruption
-
-BACKWARD_SUFFIX = "_backward"  # bi_data: the task of the same text read right to left
-
 
 def _sentence_pair_mlm(vocabulary, *, mode: str, label_key: str, max_ngram: int, whole_word: bool):
   special = vocab.special_ids(vocabulary)
@@ -71,17 +70,18 @@ def _xlnet_lengths(sequence_length: Mapping[str, int]) -> Dict[str, int]:
           "num_predict": sequence_length["target_ids"]}
 
 
-def xlnet_plm(vocabulary, backward: bool = False):
+def xlnet_plm(vocabulary):
   """Lengths from TASK_FEATURE_LENGTHS: input_ids (the window), reuse_len (the part that continues the
   previous window, which the model caches), target_ids (predictions). Permutations stay within
-  reuse_len-sized blocks (perm_size = reuse_len, as in the paper: 256 of 512)."""
+  reuse_len-sized blocks (perm_size = reuse_len, as in the paper: 256 of 512). Training reads the same
+  examples from token files (`xlnet_stream_reading`); the task makes them from its documents."""
   special = vocab.special_ids(vocabulary)
   word_start = vocab.word_start_table(vocabulary)
 
   def windows(dataset, sequence_length):
     lengths = _xlnet_lengths(sequence_length)
     return permutation.xlnet_windows(dataset, seq_len=lengths["seq_len"], reuse_len=lengths["reuse_len"],
-                                     sep_id=special.sep, cls_id=special.cls, backward=backward)
+                                     sep_id=special.sep, cls_id=special.cls)
 
   def permuted(dataset, sequence_length):
     return permutation.xlnet_permutation_features(dataset, **_xlnet_lengths(sequence_length), word_start=word_start,
@@ -90,15 +90,33 @@ def xlnet_plm(vocabulary, backward: bool = False):
   return [seqio.CacheDatasetPlaceholder(), windows, permuted]
 
 
+class StreamReading(NamedTuple):
+  """How an objective reads row streams: windows of `window_len` tokens, `step_len` tokens further at
+  each step, each made into an example by `example(window, other, backward, seed)` (`row_streams`)."""
+  window_len: int
+  step_len: int
+  example: Callable
+
+
+def xlnet_stream_reading(vocabulary, sequence_length: Mapping[str, int]) -> StreamReading:
+  """xlnet_plm from row streams: each step moves reuse_len tokens on, so the next reuse part is this A."""
+  special = vocab.special_ids(vocabulary)
+  lengths = _xlnet_lengths(sequence_length)
+  example = functools.partial(permutation.stream_example, **lengths, sep_id=special.sep, cls_id=special.cls,
+                              word_start=tf.constant(vocab.word_start_table(vocabulary), tf.bool))
+  return StreamReading(permutation.window_length(lengths["seq_len"], lengths["reuse_len"]), lengths["reuse_len"],
+                       example)
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
   preprocessors: Callable[[seqio.Vocabulary], List]  # applied after tokenization
   # Raises ValueError for TASK_FEATURE_LENGTHS the preprocessors would refuse: the objectives' own checks.
   check_lengths: Callable[[Mapping[str, int]], None]
   extra_ids: int = 0  # sentinel pieces appended to the vocabulary (T5)
-  # Consecutive examples continue one text stream per data shard (XLNet's memory): never shuffled or
-  # mixed, and also registered as `<name>_backward`, the stream read right to left, for bi_data.
-  stream: bool = False
+  # Consecutive examples continue one text stream (XLNet's memory): never shuffled or mixed. Training
+  # reads them from token files as row streams: (vocabulary, lengths) -> StreamReading.
+  stream_reading: Optional[Callable] = None
 
 
 OBJECTIVES: Dict[str, Objective] = {
@@ -109,7 +127,7 @@ OBJECTIVES: Dict[str, Objective] = {
     "t5_span_corruption": Objective(t5_span_corruption, lambda lengths: span_corruption.max_tokens_for_lengths(
         lengths["encoder_input_ids"], lengths["decoder_input_ids"]), extra_ids=100),
     "xlnet_plm": Objective(xlnet_plm, lambda lengths: permutation.check_lengths(**_xlnet_lengths(lengths)),
-                           stream=True),
+                           stream_reading=xlnet_stream_reading),
 }
 
 
@@ -128,28 +146,45 @@ def check_lengths(objective: str, lengths: Mapping[str, int]) -> None:
 EXAMPLE_SHUFFLE_BUFFER = 1_000
 
 _OBJECTIVE_OF: Dict[str, str] = {}  # registered task name -> its objective
+_TOKEN_DIRS: Dict[str, Optional[str]] = {}  # registered task name -> its TOKEN_DIR (None: tokenized into the cache)
 
 
 def register_task(name: str, source: seqio.DataSource, objective: str, vocab_model: str,
-                  extra_preprocessors=()) -> str:
-  """Registers (or replaces) `name`: source documents -> tokenized sentences -> objective."""
+                  extra_preprocessors=(), token_dir: Optional[str] = None) -> str:
+  """Registers (or replaces) `name`: source documents -> tokenized sentences -> objective. `token_dir`:
+  where `python -m data_pipelines.tokenize` wrote the source's token files (objectives that read streams)."""
   if objective not in OBJECTIVES:
     raise ValueError(f"objective={objective!r}: expected one of {sorted(OBJECTIVES)}")
   spec = OBJECTIVES[objective]
   vocabulary = vocab.load_vocabulary(vocab_model, extra_ids=spec.extra_ids)
   token_features = features.schema(objective).token_features(features.INPUT_TOKENS)
-  variants = {name: {}, name + BACKWARD_SUFFIX: {"backward": True}} if spec.stream else {name: {}}
-  _OBJECTIVE_OF.update(dict.fromkeys(variants, objective))
-  for task_name, kwargs in variants.items():
-    seqio.TaskRegistry.remove(task_name)
-    seqio.TaskRegistry.add(
-        task_name,
-        source=source,
-        preprocessors=[*extra_preprocessors, documents.tokenize_sentences, *spec.preprocessors(vocabulary, **kwargs)],
-        output_features={feature: seqio.Feature(vocabulary, add_eos=False) for feature in token_features},
-        shuffle_buffer_size=None if spec.stream else EXAMPLE_SHUFFLE_BUFFER,
-    )
+  _OBJECTIVE_OF[name], _TOKEN_DIRS[name] = objective, token_dir
+  seqio.TaskRegistry.remove(name)
+  seqio.TaskRegistry.add(
+      name,
+      source=source,
+      preprocessors=[*extra_preprocessors, documents.tokenize_sentences, *spec.preprocessors(vocabulary)],
+      output_features={feature: seqio.Feature(vocabulary, add_eos=False) for feature in token_features},
+      shuffle_buffer_size=None if spec.stream_reading else EXAMPLE_SHUFFLE_BUFFER,
+  )
   return name
+
+
+def token_file(task: seqio.Task, split: str, say=print) -> token_files.TokenFile:
+  """The token file of a stream task's split: in its TOKEN_DIR, else tokenized once into the cache."""
+  tokens = token_files.open_split(_TOKEN_DIRS.get(task.name), task, split,
+                                  os.path.join(demo_corpus.cache_root(), "tokens"), say=say)
+  expected = vocabulary(task).vocab_size
+  if tokens.info["vocab_size"] != expected:
+    raise ValueError(f"TOKEN_DIR: {tokens.directory} was tokenized with a vocabulary of {tokens.info['vocab_size']} "
+                     f"pieces ({tokens.info['vocab_model']}), this run's has {expected} (VOCAB_MODEL): tokenize the "
+                     "corpus again with this run's vocabulary")
+  return tokens
+
+
+def stream_reading(task: seqio.Task, sequence_length: Mapping[str, int]) -> StreamReading:
+  """How a stream task's objective reads row streams at these lengths."""
+  return OBJECTIVES[_OBJECTIVE_OF[task.name]].stream_reading(vocabulary(task), sequence_length)
 
 
 def register_demo_tasks() -> None:
@@ -160,30 +195,33 @@ def register_demo_tasks() -> None:
 
 
 def text_task(objective: str, train_files: Optional[str] = None, validation_files: Optional[str] = None,
-              vocab_model: Optional[str] = None, corpus: str = "text") -> str:
+              vocab_model: Optional[str] = None, corpus: str = "text", token_dir: Optional[str] = None) -> str:
   """The task `<corpus>_<objective>` over TRAIN_FILES (None: the demo corpus and its vocabulary)."""
-  if train_files is None and vocab_model is None and validation_files is None:
+  if train_files is None and vocab_model is None and validation_files is None and token_dir is None:
     return f"demo_{objective}"
-  if train_files is None and vocab_model is not None:  # most likely a forgotten setting, not a wish for demo text
-    raise ValueError(f"VOCAB_MODEL={vocab_model!r} is set but the {corpus!r} corpus has no train files (TRAIN_FILES); "
-                     "the demo corpus comes with its own vocabulary")
+  for setting, value in (("VOCAB_MODEL", vocab_model), ("TOKEN_DIR", token_dir)):
+    if train_files is None and value is not None:  # most likely a forgotten setting, not a wish for demo text
+      raise ValueError(f"{setting}={value!r} is set but the {corpus!r} corpus has no train files (TRAIN_FILES); "
+                       "the demo corpus comes with its own vocabulary and token files")
   demo = demo_corpus.ensure_demo_corpus() if train_files is None or vocab_model is None else {}
   splits = {"train": train_files or demo["train"]}
   if validation_files or train_files is None:  # the demo text comes with its held-out split
     splits["validation"] = validation_files or demo["validation"]
   source = sources.TextDocumentSource(splits)
-  return register_task(f"{corpus}_{objective}", source, objective, vocab_model or demo["vocab_model"])
+  return register_task(f"{corpus}_{objective}", source, objective, vocab_model or demo["vocab_model"],
+                       token_dir=token_dir)
 
 
 def tfds_task(objective: str, tfds_name: str, vocab_model: str, data_dir: Optional[str] = None,
-              text_key: str = "text", splits: Optional[Dict[str, str]] = None) -> str:
+              text_key: str = "text", splits: Optional[Dict[str, str]] = None, token_dir: Optional[str] = None) -> str:
   """A task over a TFDS dataset such as 'wikipedia/20230601.en:1.0.0' (local or gs:// data_dir)."""
   if vocab_model is None:
     raise ValueError(f"VOCAB_MODEL is not set: the TFDS task {tfds_name!r} needs the sentencepiece model of its text")
   corpus = tfds_name.split("/")[0].split(":")[0]
   source = sources.tfds_source(tfds_name, splits=splits, data_dir=data_dir)
   return register_task(f"{corpus}_{objective}", source, objective, vocab_model,
-                       extra_preprocessors=[functools.partial(sources.tfds_to_documents, text_key=text_key)])
+                       extra_preprocessors=[functools.partial(sources.tfds_to_documents, text_key=text_key)],
+                       token_dir=token_dir)
 
 
 def mixture(name: str, task_names: Sequence[str], rates: Optional[Sequence[float]] = None) -> str:

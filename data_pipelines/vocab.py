@@ -100,10 +100,14 @@ def word_start_table(vocabulary: seqio.SentencePieceVocabulary) -> np.ndarray:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("input", None, "Glob of plain-text files (one sentence per line).")
-flags.DEFINE_integer("vocab_size", 32000, "Number of pieces.")
-flags.DEFINE_string("output", None, "Output prefix; writes PREFIX.model.")
-flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "Sentencepiece algorithm.")
+
+
+def define_flags() -> None:
+  """The program's flags; defined only when it runs, as importing this module (tasks do) must define none."""
+  flags.DEFINE_string("input", None, "Glob of plain-text files (one sentence per line).")
+  flags.DEFINE_integer("vocab_size", 32000, "Number of pieces.")
+  flags.DEFINE_string("output", None, "Output prefix; writes PREFIX.model.")
+  flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "Sentencepiece algorithm.")
 
 
 def main(argv):
@@ -121,4 +125,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   startup.run_absl(main)

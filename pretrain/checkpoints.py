@@ -1,9 +1,10 @@
-"""Orbax checkpoints: train state (sharded, async), the data position of each data shard, run config.
+"""Orbax checkpoints: train state (sharded, async), the data position, run config.
 
-Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator/shard_<i>_of_<n>, run_config, checksums} (the
-run config is `pretrain.run_files.RunConfig`'s JSON). The data position is one tf.data iterator per data
-shard, saved with tf.train.Checkpoint by the process that reads it, so a resumed run continues each
-shard's stream exactly where it stopped, on any number of processes. A weights-only checkpoint (from
+Layout: MODEL_DIR/checkpoints/<step>/{state, data_iterator, run_config, checksums} (the run config is
+`pretrain.run_files.RunConfig`'s JSON). The data position does not depend on the number of processes:
+one tf.data iterator per data shard (`shard_<i>_of_<n>`, saved by the process that reads it), or for
+row streams (XLNet) the number of batches taken (`batches_taken.json`). A resumed run continues the
+input exactly where it stopped, on any number of processes. A weights-only checkpoint (from
 `pretrain.import_hf`) has state = {params} and no data_iterator.
 
 Orbax makes a save atomic (a step directory appears only once complete); `checksums` makes a restore
@@ -12,7 +13,7 @@ damaged array data is caught rather than trained on.
 """
 import dataclasses
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +27,13 @@ from pretrain.errors import ConfigError, TrainingStopped, one_line
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
-  """Saves and restores where this process's data shards stand (`ShardIterators`), beside the state."""
+  """Saves and restores where this process's input stands (`ShardIterators`, `StepIterator`), beside the state."""
 
   def save(self, directory: epath.Path, args: "DataIteratorSave"):
     args.iterator.save(directory)
 
-  def restore(self, directory: epath.Path, args: "DataIteratorRestore") -> List[int]:
-    """Restores the iterators in place if every shard this process reads was saved; returns those that were not."""
+  def restore(self, directory: epath.Path, args: "DataIteratorRestore") -> Optional[str]:
+    """Restores the iterator in place; None, or why the saved position does not fit it."""
     return args.iterator.restore(directory)
 
 
@@ -192,8 +193,8 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iter
     more = f" and {len(differing) - 1} more" if len(differing) > 1 else ""
     raise DamagedCheckpoint(f"the data of {differing[0]}{more} differs from what was saved (checksum mismatch)")
   if distributed.any_process(bool(restored.data_iterator)):
-    notes.append(f"the data position of step {step} was saved for other data shards than this run reads "
-                 f"({data_iterator.num_shards}: DATA_SHARDS, or one per process when unset): the input starts again "
+    why = restored.data_iterator or "another process's could not be restored"
+    notes.append(f"the data position of step {step} does not fit this run's input: {why}; the input starts again "
                  "from its beginning, so examples are seen again; the checkpoint's DATA_SHARDS would continue it")
   return restored.state, notes
 

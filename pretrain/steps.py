@@ -6,7 +6,7 @@ fitted to its data, the batch, the mesh and the optimizer. `pretrain.trainer` ru
 step's.
 """
 import dataclasses
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 import flax
 import flax.linen as nn
@@ -184,12 +184,11 @@ def train_step(setup: Setup, state: TrainState, batch) -> tuple:
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state, carry=carry), metrics
 
 
-def eval_step(setup: Setup, params, batch) -> Dict[str, jax.Array]:
-  batch_size = next(iter(batch.values())).shape[0]
-  outputs, _ = setup.family.forward(setup.model, params, batch, setup.family.initial_carry(batch_size), rngs={},
-                                    deterministic=True)
+def eval_step(setup: Setup, params, batch, carry) -> Tuple[Dict[str, jax.Array], Any]:
+  """Metrics of a held-out batch, and the carry for the next one: XLNet's held-out rows read on with memory."""
+  outputs, carry = setup.family.forward(setup.model, params, batch, carry, rngs={}, deterministic=True)
   loss, metrics = setup.family.loss_and_metrics(outputs, batch)
-  return {**metrics, "loss": loss}
+  return {**metrics, "loss": loss}, carry
 
 
 def jit_train_step(setup: Setup):
@@ -201,4 +200,11 @@ def jit_train_step(setup: Setup):
 
 
 def jit_eval_step(setup: Setup):
-  return jax.jit(lambda params, batch: eval_step(setup, params, batch))
+  """(params, batch, carry) -> (metrics, carry); the first batch takes `initial_eval_carry(setup)`."""
+  return jax.jit(lambda params, batch, carry: eval_step(setup, params, batch, carry),
+                 out_shardings=(partitioning.replicated(setup.mesh), setup.state_shardings.carry))
+
+
+def initial_eval_carry(setup: Setup):
+  batch_size = next(iter(setup.batch_shapes.values())).shape[0]
+  return jax.jit(lambda: setup.family.initial_carry(batch_size), out_shardings=setup.state_shardings.carry)()

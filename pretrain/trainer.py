@@ -34,16 +34,12 @@ def input_pipeline_for_run(family: Family, mixture_or_task_name: str, task_featu
                            **process) -> input_pipeline.InputPipeline:
   """This process's batches of the run's task, shaped for the family. `process`: process_index and
   process_count when not this JAX process's (benchmarks/input_pipeline.py plays one host of many)."""
-  family_shards = family.data_shards(batch_size)
-  if family_shards and data_shards not in (None, family_shards):
-    raise ConfigError(f"DATA_SHARDS={data_shards}: {family.name} reads one data shard per batch row "
-                      f"(BATCH_SIZE={batch_size}); leave DATA_SHARDS unset")
   batch_shapes = family.feature_shapes(batch_size, task_feature_lengths)
   with user_settings():
     return input_pipeline.InputPipeline(mixture_or_task_name, task_feature_lengths, batch_size,
                                         {k: (s.shape[1:], s.dtype) for k, s in batch_shapes.items()},
                                         data_parallel_groups=data_parallel_groups, seed=seed,
-                                        num_data_shards=family_shards or data_shards, bi_data=family.bi_data(),
+                                        num_data_shards=data_shards, bi_data=family.bi_data(),
                                         **process)
 
 
@@ -100,7 +96,12 @@ def _around_imported_weights(setup: steps.Setup, model_dir: str, step: int, seed
   return jax.jit(setup.state_around, out_shardings=setup.state_shardings)(params, jax.random.PRNGKey(seed))
 
 
-def _mean_metrics(rows):
+def _evaluate(setup: steps.Setup, eval_fn, params, batches) -> Dict[str, float]:
+  """Mean metrics over held-out batches, read in order (XLNet's memory carries from one to the next)."""
+  carry, rows = steps.initial_eval_carry(setup), []
+  for batch in batches:
+    metrics, carry = eval_fn(params, partitioning.global_batch(batch, setup.mesh), carry)
+    rows.append(jax.device_get(metrics))
   return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
@@ -171,7 +172,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)
-    train_iterator = data.iterator("train")
+    train_iterator = data.iterator("train", say=say)
     saver = checkpoints.Saver(model_dir, keep_checkpoints, train_iterator, run_config.to_json(), say, save_attempts)
     state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed)
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
@@ -216,9 +217,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       if eval_every_steps and step % eval_every_steps == 0 and data.has_split("validation"):
         finish(*unread)  # the eval waits for this step anyway; its line comes after the step's
         unread = None
-        rows = [jax.device_get(eval_fn(state.params, partitioning.global_batch(b, mesh)))
-                for b in data.take("validation", eval_steps)]
-        writer.write(step, _mean_metrics(rows), split="eval")
+        writer.write(step, _evaluate(setup, eval_fn, state.params, data.take("validation", eval_steps)),
+                     split="eval")
       # Every process calls this at every step; after a SIGTERM to any of them, all return True at one step.
       preempted = multihost_utils.reached_preemption_sync_point(step)
       if step % checkpoint_every_steps == 0 or step == train_steps or preempted:

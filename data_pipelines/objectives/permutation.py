@@ -140,15 +140,25 @@ def split_a_and_b(window, other, seed, *, begin: int, total: int):
   return ids[begin:begin + len_a], b_source[b_begin:b_begin + len_b]
 
 
-@seqio.map_over_dataset(num_seeds=1)
-@tf.autograph.experimental.do_not_convert
-def _layout_window(example, seed, *, seq_len, reuse_len, sep_id, cls_id, backward):
-  total = seq_len - reuse_len - 3
-  a, b = split_a_and_b(example["window"], example["other"], seed, begin=reuse_len, total=total)
-  input_ids = tf.concat([example["window"]["ids"][:reuse_len], a, [sep_id], b, [sep_id, cls_id]], 0)
+def window_length(seq_len: int, reuse_len: int) -> int:
+  """Stream tokens one window looks at: its reuse part, then twice what A and B take (see `split_a_and_b`)."""
+  return reuse_len + 2 * _pair_length(seq_len, reuse_len)
+
+
+def layout_window(window, other, seed, *, seq_len: int, reuse_len: int, sep_id: int, cls_id: int) -> dict:
+  """One window {'ids', 'sentence_start'} of `window_length` stream tokens -> input_ids and segment_ids
+  [seq_len]: its first reuse_len tokens, then A <sep> B <sep> <cls>, B random from `other` or not."""
+  a, b = split_a_and_b(window, other, seed, begin=reuse_len, total=_pair_length(seq_len, reuse_len))
+  input_ids = tf.concat([window["ids"][:reuse_len], a, [sep_id], b, [sep_id, cls_id]], 0)
   segment_ids = tf.concat([tf.zeros([reuse_len + tf.size(a) + 1], tf.int32), tf.ones([tf.size(b) + 1], tf.int32),
                            [_SPECIAL_SEGMENT]], 0)
-  return {"input_ids": tf.ensure_shape(input_ids, [seq_len]), "segment_ids": tf.ensure_shape(segment_ids, [seq_len]),
+  return {"input_ids": tf.ensure_shape(input_ids, [seq_len]), "segment_ids": tf.ensure_shape(segment_ids, [seq_len])}
+
+
+@seqio.map_over_dataset(num_seeds=1)
+@tf.autograph.experimental.do_not_convert
+def _layout_window(example, seed, *, backward, **lengths_and_ids):
+  return {**layout_window(example["window"], example["other"], seed, **lengths_and_ids),
           "backward": tf.constant(backward)}
 
 
@@ -166,9 +176,8 @@ def xlnet_windows(dataset: tf.data.Dataset, *, seq_len: int, reuse_len: int, sep
   buffer of `random_segment_buffer` documents (the source is read twice; the buffer is held in
   memory). 'backward' tells `xlnet_permutation_features` which way the words read.
   """
-  total = _pair_length(seq_len, reuse_len)
+  window_len = window_length(seq_len, reuse_len)
   _check(random_segment_buffer >= 1, f"random_segment_buffer={random_segment_buffer}: must be at least 1")
-  window_len = reuse_len + 2 * total
 
   def windows_of(documents):
     tokens = _token_stream(documents, backward=backward, eod_id=eod_id)
@@ -361,3 +370,15 @@ def xlnet_permutation_features(dataset: tf.data.Dataset, *, seq_len: int, reuse_
   return _window_features(dataset, seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict,
                           word_start=tf.constant(word_start, tf.bool), sep_id=sep_id, cls_id=cls_id,
                           mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
+
+
+def stream_example(window, other, backward, seed, *, seq_len: int, reuse_len: int, perm_size: int, num_predict: int,
+                   word_start, sep_id: int, cls_id: int) -> dict:
+  """One row's example at one step from stream windows (`layout_window`, then `permutation_features`):
+  what `xlnet_windows` and `xlnet_permutation_features` make of a document stream, for row streams that
+  read token files. backward: bool scalar, the window reads its text right to left."""
+  layout_seed, features_seed = split_seed(seed, 2)
+  laid = layout_window(window, other, layout_seed, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id, cls_id=cls_id)
+  return permutation_features(laid["input_ids"], laid["segment_ids"], backward, features_seed, reuse_len=reuse_len,
+                              perm_size=perm_size, num_predict=num_predict, word_start=word_start, sep_id=sep_id,
+                              cls_id=cls_id)

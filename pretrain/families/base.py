@@ -73,11 +73,6 @@ class Family(abc.ABC):
     del batch_size
     return {}
 
-  def data_shards(self, batch_size: int) -> Optional[int]:
-    """Families whose rows carry state across steps read one data shard per row, so that the state
-    carried for a row continues that row's text; the others leave it to DATA_SHARDS (None)."""
-    return batch_size if self.carry_axes() else None
-
   def bi_data(self) -> bool:
     """Whether odd batch rows read the text of the row before backwards (XLNet's bi_data)."""
     return False

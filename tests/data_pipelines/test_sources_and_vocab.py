@@ -232,12 +232,12 @@ def test_a_mixtures_data_position_saved_by_two_processes_continues_exactly_on_on
     iterator.save(tmp_path)
   expected = [np.concatenate([next(half)["input_ids"] for half in halves]) for _ in range(3)]
   resumed = pipeline(0, 1).iterator()
-  assert resumed.restore(tmp_path) == []
+  assert resumed.restore(tmp_path) is None
   for batch in expected:
     np.testing.assert_array_equal(next(resumed)["input_ids"], batch)
   fresh = pipeline(0, 1).iterator()
   assert not np.array_equal(next(fresh)["input_ids"], expected[0])
-  assert pipeline(0, 1, data_shards=4).iterator().restore(tmp_path) == [0, 1, 2, 3], "other DATA_SHARDS"
+  assert "no position of data shard 0 of 4" in pipeline(0, 1, data_shards=4).iterator().restore(tmp_path)
 
 
 def test_a_mixture_needs_one_positive_rate_per_task(demo_paths):

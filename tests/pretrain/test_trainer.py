@@ -31,20 +31,26 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
   assert list((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
-def test_xlnet_resume_is_exact(tmp_path):
-  """A run stopped at step 5 and resumed logs the losses of an uninterrupted one, memory included.
+def test_xlnet_resume_is_exact_and_evaluates_held_out_streams(tmp_path):
+  """A run stopped at step 5 and resumed logs the losses of an uninterrupted one, memory included, and
+  the same held-out losses (two batches of the validation streams, the second read with memory).
 
   The learning-rate schedule is pinned to 12 steps so that stopping early (TRAIN_STEPS = 5) does not
   change it; the layers are scanned. (BERT's resume after a preemption is tested in tests/reliability.)
   """
   straight, split = tmp_path / "straight", tmp_path / "split"
-  bindings = SMALL_XLNET + ["LOG_EVERY_STEPS = 1", "CHECKPOINT_EVERY_STEPS = 5",
-                            "optimizers.warmup_linear_decay.total_steps = 12", "xlnet.XLNetConfig.scan_layers = True"]
+  bindings = SMALL_XLNET + ["LOG_EVERY_STEPS = 1", "CHECKPOINT_EVERY_STEPS = 5", "EVAL_EVERY_STEPS = 4",
+                            "EVAL_STEPS = 2", "optimizers.warmup_linear_decay.total_steps = 12",
+                            "xlnet.XLNetConfig.scan_layers = True"]
   train("xlnet_tiny_demo", straight, 12, bindings)
   train("xlnet_tiny_demo", split, 5, bindings)
   train("xlnet_tiny_demo", split, 12, bindings)  # resumes from step 5
   a, b = logged_losses(straight), logged_losses(split)
   assert [a[s] for s in range(6, 13)] == [b[s] for s in range(6, 13)]  # bitwise on CPU
+  evals = [{r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+            if r.get("split") == "eval"} for d in (straight, split)]
+  assert sorted(evals[0]) == [4, 8, 12] and evals[0] == evals[1], evals
+  assert np.isfinite(list(evals[0].values())).all() and evals[0][12] != evals[0][4]
 
 
 def test_one_device_and_eight_devices_agree(tmp_path, bert_on_eight_devices):

@@ -305,18 +305,3 @@ def test_same_seed_same_examples(forward_docs, examples):
 def test_bad_settings_are_refused(settings, problem):
   with pytest.raises(ValueError, match=problem):
     features(tf.data.Dataset.range(0), **settings)
-
-
-def test_bi_data_row_pairs_read_every_part_of_the_data_both_ways(demo_paths):
-  """Row 2k reads part k forwards and row 2k+1 the same part backwards; every part is read."""
-  from data_pipelines import tasks
-  from data_pipelines.input_pipeline import InputPipeline
-  pipeline = InputPipeline("demo_xlnet_plm", {}, global_batch_size=8, model_features={}, num_data_shards=8,
-                           bi_data=True, process_index=0, process_count=1)
-  reads = [pipeline.data_shard(row) for row in range(8)]
-  for row in range(0, 8, 2):
-    (forward_task, forward), (backward_task, backward) = reads[row], reads[row + 1]
-    assert backward_task == forward_task + tasks.BACKWARD_SUFFIX and not forward_task.endswith(tasks.BACKWARD_SUFFIX)
-    assert forward == backward
-  assert sorted(shard.index for _, shard in reads[::2]) == [0, 1, 2, 3]
-  assert {shard.num_shards for _, shard in reads} == {4}

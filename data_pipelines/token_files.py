@@ -1,0 +1,185 @@
+"""Token files: a split of a corpus tokenized once, then read at any position (XLNet's row streams).
+
+A token directory holds one split. `tokens-<i>-of-<n>.int32` per source shard (a text file, a TFDS
+file shard): the shard's documents one after another as little-endian int32 ids, where a token that
+starts a sentence is stored as its bitwise complement (negative), so one array carries the ids and
+the sentence boundaries the objective splits at. The first token of every document starts a
+sentence. `info.json`, written last, lists the parts with their token counts and the task and
+vocabulary that made them: a directory without it is unfinished, and `write` continues it, keeping
+the parts already written. Paths may be local or gs:// (tf.io.gfile).
+"""
+import hashlib
+import json
+import os
+import threading
+import uuid
+from typing import Dict, List, Optional
+
+import numpy as np
+import seqio
+import tensorflow as tf
+from tqdm import tqdm
+
+INFO_FILE = "info.json"
+_BYTES_PER_TOKEN = 4
+_WRITE_CHUNK_TOKENS = 1 << 20
+
+
+def _part_name(index: int, count: int) -> str:
+  return f"tokens-{index:05d}-of-{count:05d}.int32"
+
+
+def _temporary(path: str) -> str:
+  """A name to write `path` under before renaming it: unique, as processes on one machine may write the same."""
+  return f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+@tf.autograph.experimental.do_not_convert
+def _encode(example) -> tf.Tensor:
+  """{'sentences': ragged [num_sentences, None]} -> int32 [num_tokens], sentence starts complemented."""
+  sentences = example["sentences"]
+  ids = tf.cast(sentences.flat_values, tf.int32)
+  sentence = tf.cast(sentences.value_rowids(), tf.int32)
+  starts = sentence != tf.concat([[-1], sentence[:-1]], 0)
+  return tf.where(starts, tf.bitwise.invert(ids), ids)
+
+
+def decode(encoded: np.ndarray):
+  """int32 as stored -> (ids, sentence_start bool)."""
+  starts = encoded < 0
+  return np.where(starts, ~encoded, encoded), starts
+
+
+def _write_part(task: seqio.Task, split: str, shard: seqio.ShardInfo, path: str) -> None:
+  documents = task.source.get_dataset(split, shuffle=False, shard_info=shard)
+  documents = task.preprocess_precache(documents)  # the task's own tokenization, up to its objective
+  encoded = documents.map(_encode, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+  temporary = _temporary(path)
+  with tf.io.gfile.GFile(temporary, "wb") as f:
+    pending, pending_tokens = [], 0
+    for tokens in encoded.as_numpy_iterator():
+      pending.append(tokens)
+      pending_tokens += tokens.size
+      if pending_tokens >= _WRITE_CHUNK_TOKENS:
+        f.write(np.concatenate(pending).astype("<i4").tobytes())
+        pending, pending_tokens = [], 0
+    if pending:
+      f.write(np.concatenate(pending).astype("<i4").tobytes())
+  tf.io.gfile.rename(temporary, path, overwrite=True)  # a part that exists is complete
+
+
+def write(task: seqio.Task, split: str, directory: str, progress: bool = True) -> dict:
+  """Tokenizes `split` of `task`'s source into `directory`, continuing an unfinished one; returns its info."""
+  shards = task.source.list_shards(split)
+  tf.io.gfile.makedirs(directory)
+  parts, total = [], 0
+  with tqdm(total=len(shards), unit="part", desc=f"{task.name} {split}", disable=not progress) as bar:
+    for index in range(len(shards)):
+      name = _part_name(index, len(shards))
+      path = os.path.join(directory, name)
+      if not tf.io.gfile.exists(path):
+        _write_part(task, split, seqio.ShardInfo(index, len(shards)), path)
+      count = tf.io.gfile.stat(path).length // _BYTES_PER_TOKEN
+      parts.append({"file": name, "tokens": count})
+      total += count
+      bar.set_postfix(tokens=f"{total:,}")
+      bar.update()
+  if total == 0:
+    raise ValueError(f"split {split!r} of {task.name} has no tokens: its source holds no text")
+  vocabulary = next(iter(task.output_features.values())).vocabulary
+  info = {"task": task.name, "split": split, "vocab_size": vocabulary.vocab_size,
+          "vocab_model": getattr(vocabulary, "sentencepiece_model_file", None), "tokens": total, "parts": parts}
+  info_path = os.path.join(directory, INFO_FILE)
+  temporary = _temporary(info_path)
+  with tf.io.gfile.GFile(temporary, "w") as f:
+    json.dump(info, f, indent=1)
+  tf.io.gfile.rename(temporary, info_path, overwrite=True)
+  return info
+
+
+def fingerprint(task: seqio.Task, split: str) -> str:
+  """Names what a token directory of `split` would hold: the task, its source's shards (with their sizes
+  and times where they are files) and the vocabulary's bytes."""
+  h = hashlib.sha256(f"{task.name}\n{split}\n".encode())
+  for shard in task.source.list_shards(split):
+    h.update(shard.encode())
+    if tf.io.gfile.exists(shard):
+      stat = tf.io.gfile.stat(shard)
+      h.update(f" {stat.length} {stat.mtime_nsec}\n".encode())
+  vocabulary = next(iter(task.output_features.values())).vocabulary
+  model_file = getattr(vocabulary, "sentencepiece_model_file", None)
+  h.update(tf.io.gfile.GFile(model_file, "rb").read() if model_file else repr(vocabulary).encode())
+  return h.hexdigest()[:16]
+
+
+class TokenFile:
+  """A token directory read as one circular array: position p is token p mod `size`."""
+
+  def __init__(self, directory: str):
+    info_path = os.path.join(directory, INFO_FILE)
+    if not tf.io.gfile.exists(info_path):
+      raise FileNotFoundError(f"{directory} has no {INFO_FILE}: not a finished token directory; make it with "
+                              "python -m data_pipelines.tokenize (which continues an unfinished one)")
+    with tf.io.gfile.GFile(info_path) as f:
+      self.info = json.load(f)
+    self.directory = directory
+    self.size = int(self.info["tokens"])
+    counts = [part["tokens"] for part in self.info["parts"]]
+    self._starts = np.concatenate([[0], np.cumsum(counts)])
+    self._paths = [os.path.join(directory, part["file"]) for part in self.info["parts"]]
+    self._files: Dict[int, tf.io.gfile.GFile] = {}
+    self._lock = threading.Lock()  # a file's seek and read belong together
+
+  def _read_part(self, part: int, offset: int, count: int) -> np.ndarray:
+    if part not in self._files:
+      self._files[part] = tf.io.gfile.GFile(self._paths[part], "rb")
+    f = self._files[part]
+    f.seek(offset * _BYTES_PER_TOKEN)
+    data = f.read(count * _BYTES_PER_TOKEN)
+    if len(data) != count * _BYTES_PER_TOKEN:
+      raise ValueError(f"{self._paths[part]} is shorter than its {INFO_FILE} says: read {len(data)} bytes at "
+                       f"{offset * _BYTES_PER_TOKEN}, wanted {count * _BYTES_PER_TOKEN}; tokenize it again")
+    return np.frombuffer(data, "<i4")
+
+  def read(self, start: int, count: int) -> np.ndarray:
+    """`count` stored tokens from position `start`, around the end to the beginning as often as needed."""
+    pieces: List[np.ndarray] = []
+    position = start % self.size
+    while count > 0:
+      part = int(np.searchsorted(self._starts, position, side="right")) - 1
+      take = min(count, int(self._starts[part + 1]) - position)
+      with self._lock:
+        pieces.append(self._read_part(part, position - int(self._starts[part]), take))
+      position, count = (position + take) % self.size, count - take
+    return np.concatenate(pieces) if pieces else np.zeros([0], np.int32)
+
+  def read_text(self, start: int, count: int, backward: bool = False):
+    """(ids, sentence_start) of `count` tokens from `start`. backward: of the text read right to left, in
+    which position p is token size-1-p, and a sentence starts where it ends when read forwards."""
+    if not backward:
+      return decode(self.read(start, count))
+    first = self.size - (start % self.size) - count  # the forward tokens [first, first + count), plus one
+    ids, starts = decode(self.read(first, count + 1))
+    return ids[:count][::-1], starts[1:][::-1]
+
+  def close(self) -> None:
+    for f in self._files.values():
+      f.close()
+    self._files.clear()
+
+
+def cached(task: seqio.Task, split: str, cache_root: str, say=print) -> str:
+  """The token directory of `split` under `cache_root`, tokenized on first use."""
+  directory = os.path.join(cache_root, f"{task.name}-{split}-{fingerprint(task, split)}")
+  if not tf.io.gfile.exists(os.path.join(directory, INFO_FILE)):
+    say(f"tokenizing {task.name} ({split}) once into {directory}; for a pod, tokenize ahead with "
+        "python -m data_pipelines.tokenize and set TOKEN_DIR")
+    write(task, split, directory, progress=False)
+  return directory
+
+
+def open_split(token_dir: Optional[str], task: seqio.Task, split: str, cache_root: str, say=print) -> TokenFile:
+  """The token file of `split`: from TOKEN_DIR/<split> when given, else from the cache."""
+  if token_dir:
+    return TokenFile(os.path.join(token_dir, split))
+  return TokenFile(cached(task, split, cache_root, say))

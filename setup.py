@@ -18,6 +18,7 @@ setuptools.setup(
         "tensorflow>=2.21,<2.23",
         "tensorflow-text>=2.21,<2.23",
         "tensorflow-datasets>=4.9.10,<5",
+        "tqdm>=4.60",  # the progress bar of data_pipelines.tokenize
         "sentencepiece>=0.2.3,<0.3",
         "gin-config>=0.5.0,<0.6",
         "tensorboard>=2.20",

@@ -16,7 +16,7 @@ With `bi_data`, odd rows read the text of the row before them right to left.
 """
 import json
 import os
-from typing import Callable, Dict, Iterator, Mapping, Optional
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -106,11 +106,10 @@ class InputPipeline:
 
   def stream_batches(self, split: str, first_step: int, say=print) -> tf.data.Dataset:
     """This process's rows of the row streams' batches from `first_step` on."""
-    reading = tasks.stream_reading(self.task, self.feature_lengths)
-    streams = RowStreams(tasks.token_file(self.task, split, say=say), num_rows=self.global_batch_size,
-                         bi_data=self.bi_data, step_len=reading.step_len, window_len=reading.window_len, seed=self.seed)
     first_row = self.process_index * self.host_batch_size
-    examples = streams.dataset(range(first_row, first_row + self.host_batch_size), first_step, reading.example)
+    rows = range(first_row, first_row + self.host_batch_size)
+    examples = stream_examples(self.task, self.feature_lengths, split, rows, num_rows=self.global_batch_size,
+                               bi_data=self.bi_data, seed=self.seed, first_step=first_step, say=say)
     return self.converter(examples, self.feature_lengths).batch(self.host_batch_size, drop_remainder=True)
 
   def iterator(self, split: str = "train", say=print):
@@ -129,6 +128,15 @@ class InputPipeline:
     parts = list(self.shard_datasets(split, shuffle=False).values())
     for batches in tf.data.Dataset.zip(tuple(parts)).take(num_batches):
       yield {k: np.concatenate([np.asarray(b[k]) for b in batches]) for k in batches[0]}
+
+
+def stream_examples(task, feature_lengths: Mapping[str, int], split: str, rows: Sequence[int], *, num_rows: int,
+                    bi_data: bool, seed: int, first_step: int = 0, say=print) -> tf.data.Dataset:
+  """The examples of `rows` of a stream task's `num_rows` row streams, step after step, in row order."""
+  reading = tasks.stream_reading(task, feature_lengths)
+  streams = RowStreams(tasks.token_file(task, split, say=say), num_rows=num_rows, bi_data=bi_data,
+                       step_len=reading.step_len, window_len=reading.window_len, seed=seed)
+  return streams.dataset(rows, first_step, reading.example)
 
 
 class ShardIterators:

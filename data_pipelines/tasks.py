@@ -12,7 +12,6 @@ import os
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import seqio
-import tensorflow as tf
 
 from data_pipelines import demo_corpus, features, sources, token_files, vocab
 from data_pipelines.objectives import denoising, documents, mlm, nsp_sop, permutation, span_corruption
@@ -71,23 +70,10 @@ def _xlnet_lengths(sequence_length: Mapping[str, int]) -> Dict[str, int]:
 
 
 def xlnet_plm(vocabulary):
-  """Lengths from TASK_FEATURE_LENGTHS: input_ids (the window), reuse_len (the part that continues the
-  previous window, which the model caches), target_ids (predictions). Permutations stay within
-  reuse_len-sized blocks (perm_size = reuse_len, as in the paper: 256 of 512). Training reads the same
-  examples from token files (`xlnet_stream_reading`); the task makes them from its documents."""
-  special = vocab.special_ids(vocabulary)
-  word_start = vocab.word_start_table(vocabulary)
-
-  def windows(dataset, sequence_length):
-    lengths = _xlnet_lengths(sequence_length)
-    return permutation.xlnet_windows(dataset, seq_len=lengths["seq_len"], reuse_len=lengths["reuse_len"],
-                                     sep_id=special.sep, cls_id=special.cls)
-
-  def permuted(dataset, sequence_length):
-    return permutation.xlnet_permutation_features(dataset, **_xlnet_lengths(sequence_length), word_start=word_start,
-                                                  sep_id=special.sep, cls_id=special.cls)
-
-  return [seqio.CacheDatasetPlaceholder(), windows, permuted]
+  """The task's documents, tokenized: its examples are made from row streams over their token files
+  (`xlnet_stream_reading`), not example by example, as every row continues its own text."""
+  del vocabulary
+  return [seqio.CacheDatasetPlaceholder()]
 
 
 class StreamReading(NamedTuple):
@@ -99,11 +85,14 @@ class StreamReading(NamedTuple):
 
 
 def xlnet_stream_reading(vocabulary, sequence_length: Mapping[str, int]) -> StreamReading:
-  """xlnet_plm from row streams: each step moves reuse_len tokens on, so the next reuse part is this A."""
+  """xlnet_plm from row streams. Lengths from TASK_FEATURE_LENGTHS: input_ids (the window), reuse_len
+  (the part that continues the previous window, which the model caches), target_ids (predictions).
+  Each step moves reuse_len tokens on, so the next window's reuse part is this one's A. Permutations
+  stay within reuse_len-sized blocks (perm_size = reuse_len, as in the paper: 256 of 512)."""
   special = vocab.special_ids(vocabulary)
   lengths = _xlnet_lengths(sequence_length)
-  example = functools.partial(permutation.stream_example, **lengths, sep_id=special.sep, cls_id=special.cls,
-                              word_start=tf.constant(vocab.word_start_table(vocabulary), tf.bool))
+  example = permutation.window_examples(**lengths, word_start=vocab.word_start_table(vocabulary),
+                                        sep_id=special.sep, cls_id=special.cls)
   return StreamReading(permutation.window_length(lengths["seq_len"], lengths["reuse_len"]), lengths["reuse_len"],
                        example)
 

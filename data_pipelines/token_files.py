@@ -25,7 +25,7 @@ _BYTES_PER_TOKEN = 4
 _WRITE_CHUNK_TOKENS = 1 << 20
 
 
-def _part_name(index: int, count: int) -> str:
+def part_name(index: int, count: int) -> str:
   return f"tokens-{index:05d}-of-{count:05d}.int32"
 
 
@@ -50,9 +50,8 @@ def decode(encoded: np.ndarray):
   return np.where(starts, ~encoded, encoded), starts
 
 
-def _write_part(task: seqio.Task, split: str, shard: seqio.ShardInfo, path: str) -> None:
-  documents = task.source.get_dataset(split, shuffle=False, shard_info=shard)
-  documents = task.preprocess_precache(documents)  # the task's own tokenization, up to its objective
+def write_part(path: str, documents: tf.data.Dataset) -> None:
+  """Writes one part: tokenized documents {'sentences': ragged [num_sentences, None]}, one after another."""
   encoded = documents.map(_encode, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
   temporary = _temporary(path)
   with tf.io.gfile.GFile(temporary, "wb") as f:
@@ -72,23 +71,31 @@ def write(task: seqio.Task, split: str, directory: str, progress: bool = True) -
   """Tokenizes `split` of `task`'s source into `directory`, continuing an unfinished one; returns its info."""
   shards = task.source.list_shards(split)
   tf.io.gfile.makedirs(directory)
-  parts, total = [], 0
+  total = 0
   with tqdm(total=len(shards), unit="part", desc=f"{task.name} {split}", disable=not progress) as bar:
     for index in range(len(shards)):
-      name = _part_name(index, len(shards))
-      path = os.path.join(directory, name)
+      path = os.path.join(directory, part_name(index, len(shards)))
       if not tf.io.gfile.exists(path):
-        _write_part(task, split, seqio.ShardInfo(index, len(shards)), path)
-      count = tf.io.gfile.stat(path).length // _BYTES_PER_TOKEN
-      parts.append({"file": name, "tokens": count})
-      total += count
+        documents = task.source.get_dataset(split, shuffle=False, shard_info=seqio.ShardInfo(index, len(shards)))
+        write_part(path, task.preprocess_precache(documents))  # the task's own tokenization
+      total += tf.io.gfile.stat(path).length // _BYTES_PER_TOKEN
       bar.set_postfix(tokens=f"{total:,}")
       bar.update()
-  if total == 0:
-    raise ValueError(f"split {split!r} of {task.name} has no tokens: its source holds no text")
   vocabulary = next(iter(task.output_features.values())).vocabulary
-  info = {"task": task.name, "split": split, "vocab_size": vocabulary.vocab_size,
-          "vocab_model": getattr(vocabulary, "sentencepiece_model_file", None), "tokens": total, "parts": parts}
+  return finish(directory, len(shards), task=task.name, split=split, vocab_size=vocabulary.vocab_size,
+                vocab_model=getattr(vocabulary, "sentencepiece_model_file", None))
+
+
+def finish(directory: str, num_parts: int, **about) -> dict:
+  """Writes info.json over the directory's `num_parts` written parts, with `about` (task, vocabulary)."""
+  parts = []
+  for index in range(num_parts):
+    name = part_name(index, num_parts)
+    parts.append({"file": name, "tokens": tf.io.gfile.stat(os.path.join(directory, name)).length // _BYTES_PER_TOKEN})
+  total = sum(part["tokens"] for part in parts)
+  if total == 0:
+    raise ValueError(f"{directory}: no tokens were written: the source holds no text")
+  info = {**about, "tokens": total, "parts": parts}
   info_path = os.path.join(directory, INFO_FILE)
   temporary = _temporary(info_path)
   with tf.io.gfile.GFile(temporary, "w") as f:

@@ -1,14 +1,14 @@
 """XLNet permutation language modelling (Yang et al. 2019; reference: zihangdai/xlnet data_utils.py).
 
-Pure TensorFlow (graph mode, no py_function). Randomness is stateless and comes from seqio's
-per-example seeds, so the same task seed (`seqio.map_seed_manager`) reproduces the same examples.
-Two seqio-style preprocessors, applied in order:
+Pure TensorFlow (graph mode, no py_function), over one batch row's windows of its text stream (the
+row streams of `data_pipelines.row_streams` cut them from token files). Randomness is stateless,
+from a seed per row and step. `window_examples` makes the function that turns a window into features:
 
-- `xlnet_windows`: documents {'sentences': int32 ragged [num_sentences, None]} (the output of
-  `documents.tokenize_sentences`) -> windows {'input_ids', 'segment_ids': [seq_len], 'backward'}
-  laid out `[reuse_len tokens] + A + <sep> + B + <sep> + <cls>`, segment ids 0 / 1 / 2.
-- `xlnet_permutation_features`: window -> input_ids, segment_ids, perm_mask, target_mapping,
-  target_ids, target_weights, input_q.
+- `layout_window`: the window's first reuse_len tokens (the text right after the previous window's,
+  which the model's memory holds), then A <sep> B <sep> <cls> from the tokens after them, B the
+  true continuation or random (`split_a_and_b`); segment ids 0 / 1 / 2.
+- `permutation_features`: input_ids, segment_ids, perm_mask, target_mapping, target_ids,
+  target_weights, input_q: whole-word n-gram spans to predict, ordered by local permutations.
 
 Differences from the reference, on purpose:
 - n-grams are whole words (the reference tests `seg[beg]` and so counts pieces; xlnet issue 220).
@@ -16,9 +16,6 @@ Differences from the reference, on purpose:
 - <sep>/<cls> are treated like unmasked tokens (visible to all, see no targets); in the reference
   they take part in the factorization order.
 """
-import functools
-
-import seqio
 import tensorflow as tf
 
 from data_pipelines.objectives.mlm import choose_masked_positions, ngram_length_probs
@@ -53,39 +50,6 @@ def check_lengths(*, seq_len: int, reuse_len: int, perm_size: int, num_predict: 
          "tokens of A and B")
 
 
-# ----------------------------------------------------------------------------- stream -> windows
-
-def _token_stream(dataset: tf.data.Dataset, *, backward: bool, eod_id) -> tf.data.Dataset:
-  """Documents -> one element per token {'ids', 'sentence_start'} in stream order."""
-
-  @tf.autograph.experimental.do_not_convert
-  def flatten(example):
-    sentences = example["sentences"]
-    ids = tf.cast(sentences.values, tf.int32)
-    sentence = tf.cast(sentences.value_rowids(), tf.int32)
-    if backward:  # the backward half of bi_data: each document read right to left
-      ids, sentence = tf.reverse(ids, [0]), tf.reverse(sentence, [0])
-    if eod_id is not None:  # as the reference's use_eod: <eod> ends a document, as a sentence of its own
-      ids, sentence = tf.concat([ids, [eod_id]], 0), tf.concat([sentence, [-1]], 0)
-    previous = tf.concat([[-2], sentence], 0)[:-1]
-    return {"ids": ids, "sentence_start": sentence != previous}
-
-  return dataset.map(flatten, num_parallel_calls=tf.data.AUTOTUNE).unbatch()
-
-
-def _stream_windows(tokens: tf.data.Dataset, *, reuse_len: int, window_len: int) -> tf.data.Dataset:
-  """Token stream -> windows of window_len tokens starting every reuse_len tokens (a partial tail is dropped)."""
-  chunks_per_window = -(-window_len // reuse_len)
-
-  @tf.autograph.experimental.do_not_convert
-  def join_chunks(chunk_sets):
-    joined = tf.data.Dataset.zip(chunk_sets).batch(chunks_per_window)
-    return joined.map(lambda w: {key: tf.reshape(value, [-1])[:window_len] for key, value in w.items()})
-
-  chunks = tokens.batch(reuse_len, drop_remainder=True)
-  return chunks.window(chunks_per_window, shift=1, drop_remainder=True).flat_map(join_chunks)
-
-
 def _first(flags, default):
   """Index of the first True, else default."""
   return tf.reduce_min(tf.where(flags, tf.range(tf.size(flags)), default))
@@ -108,7 +72,7 @@ def split_a_and_b(window, other, seed, *, begin: int, total: int):
   window / other: {'ids', 'sentence_start'} of length >= begin + 2·total; A starts at `begin`.
   A ends at a random sentence boundary less than `total` tokens on (or runs to the first boundary at
   least `total` on when there is none). With probability 0.5 (always without such a boundary) B is
-  random: from a random position of `other` (a window of a shuffled copy of the stream), widened
+  random: from a random position of `other` (a window at a random place of the text), widened
   to whole sentences, at least total - len(A) tokens; else B is the true continuation up to the
   first boundary >= total tokens on. Then the longer of A and B is trimmed at its right end until
   the pair fits. Looking 2·total tokens ahead is enough: anything further would be trimmed anyway.
@@ -153,40 +117,6 @@ def layout_window(window, other, seed, *, seq_len: int, reuse_len: int, sep_id: 
   segment_ids = tf.concat([tf.zeros([reuse_len + tf.size(a) + 1], tf.int32), tf.ones([tf.size(b) + 1], tf.int32),
                            [_SPECIAL_SEGMENT]], 0)
   return {"input_ids": tf.ensure_shape(input_ids, [seq_len]), "segment_ids": tf.ensure_shape(segment_ids, [seq_len])}
-
-
-@seqio.map_over_dataset(num_seeds=1)
-@tf.autograph.experimental.do_not_convert
-def _layout_window(example, seed, *, backward, **lengths_and_ids):
-  return {**layout_window(example["window"], example["other"], seed, **lengths_and_ids),
-          "backward": tf.constant(backward)}
-
-
-def xlnet_windows(dataset: tf.data.Dataset, *, seq_len: int, reuse_len: int, sep_id: int, cls_id: int,
-                  backward: bool = False, eod_id: int | None = None,
-                  random_segment_buffer: int = 100) -> tf.data.Dataset:
-  """Documents -> consecutive XLNet windows (the reference's `create_tfrecords` as a stream).
-
-  The documents form one token stream (each reversed first if `backward`, the backward half of
-  bi_data; followed by <eod> if eod_id is given). Window k holds stream tokens
-  [k·reuse_len, (k+1)·reuse_len) as its reuse part and splits A/B from the tokens after them
-  (`split_a_and_b`), so window k+1's reuse part is the text right after window k's: Transformer-XL
-  memory carries over. A tail shorter than one window
-  is dropped. Random B segments come from a copy of the stream whose documents are shuffled with a
-  buffer of `random_segment_buffer` documents (the source is read twice; the buffer is held in
-  memory). 'backward' tells `xlnet_permutation_features` which way the words read.
-  """
-  window_len = window_length(seq_len, reuse_len)
-  _check(random_segment_buffer >= 1, f"random_segment_buffer={random_segment_buffer}: must be at least 1")
-
-  def windows_of(documents):
-    tokens = _token_stream(documents, backward=backward, eod_id=eod_id)
-    return _stream_windows(tokens, reuse_len=reuse_len, window_len=window_len)
-
-  # A fixed shuffle seed keeps the pipeline deterministic; per-window randomness comes from seqio seeds.
-  others = windows_of(dataset.shuffle(random_segment_buffer, seed=17))
-  pairs = tf.data.Dataset.zip({"window": windows_of(dataset), "other": others})
-  return _layout_window(pairs, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id, cls_id=cls_id, backward=backward)
 
 
 # ----------------------------------------------------------------------------- prediction mask
@@ -341,44 +271,26 @@ def permutation_features(input_ids, segment_ids, backward, seed, *, reuse_len: i
   }
 
 
-@functools.lru_cache(maxsize=None)
-def _traced_permutation_features(**settings):
-  """`permutation_features` for these settings as one tf.function: traced once, however many pipelines
-  (one per batch row) call it; tracing it again for each took seconds per row."""
-  return tf.function(lambda input_ids, segment_ids, backward, seed, word_start: permutation_features(
-      input_ids, segment_ids, backward, seed, word_start=word_start, **settings), autograph=False)
+def window_examples(*, seq_len: int, reuse_len: int, perm_size: int, num_predict: int, word_start, sep_id: int,
+                    cls_id: int, mask_alpha: int = 6, mask_beta: int = 1, max_ngram: int = 5):
+  """`example(window, other, backward, seed)`: one row's features at one step from its stream windows
+  (`layout_window`, then `permutation_features`), after checking the settings once.
 
-
-@seqio.map_over_dataset(num_seeds=1)
-@tf.autograph.experimental.do_not_convert  # control flow is explicit; converting it took ~10 s per trace
-def _window_features(example, seed, *, seq_len, word_start, **settings):
-  return _traced_permutation_features(**settings)(tf.ensure_shape(example["input_ids"], [seq_len]),
-                                                  tf.ensure_shape(example["segment_ids"], [seq_len]),
-                                                  example["backward"], seed, word_start)
-
-
-def xlnet_permutation_features(dataset: tf.data.Dataset, *, seq_len: int, reuse_len: int, perm_size: int,
-                               num_predict: int, word_start, sep_id: int, cls_id: int, mask_alpha: int = 6,
-                               mask_beta: int = 1, max_ngram: int = 5) -> tf.data.Dataset:
-  """`xlnet_windows` examples -> the model's features (see `permutation_features`).
-
-  word_start: bool [vocab_size], True for pieces starting with "▁" and for special tokens.
+  window / other: {'ids', 'sentence_start'} of `window_length(seq_len, reuse_len)` stream tokens, as the
+  row reads them; backward: bool scalar, the row reads its text right to left. word_start: bool
+  [vocab_size], True for pieces starting with "▁" and for special tokens.
   """
   check_lengths(seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict)
   _check(mask_alpha >= mask_beta >= 1, f"mask_alpha={mask_alpha}, mask_beta={mask_beta}: need alpha >= beta >= 1")
   _check(max_ngram >= 1, f"max_ngram={max_ngram}: must be >= 1")
-  return _window_features(dataset, seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict,
-                          word_start=tf.constant(word_start, tf.bool), sep_id=sep_id, cls_id=cls_id,
-                          mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
+  word_start = tf.constant(word_start, tf.bool)
 
+  def example(window, other, backward, seed):
+    layout_seed, features_seed = split_seed(seed, 2)
+    laid = layout_window(window, other, layout_seed, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id,
+                         cls_id=cls_id)
+    return permutation_features(laid["input_ids"], laid["segment_ids"], backward, features_seed, reuse_len=reuse_len,
+                                perm_size=perm_size, num_predict=num_predict, word_start=word_start, sep_id=sep_id,
+                                cls_id=cls_id, mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
 
-def stream_example(window, other, backward, seed, *, seq_len: int, reuse_len: int, perm_size: int, num_predict: int,
-                   word_start, sep_id: int, cls_id: int) -> dict:
-  """One row's example at one step from stream windows (`layout_window`, then `permutation_features`):
-  what `xlnet_windows` and `xlnet_permutation_features` make of a document stream, for row streams that
-  read token files. backward: bool scalar, the window reads its text right to left."""
-  layout_seed, features_seed = split_seed(seed, 2)
-  laid = layout_window(window, other, layout_seed, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id, cls_id=cls_id)
-  return permutation_features(laid["input_ids"], laid["segment_ids"], backward, features_seed, reuse_len=reuse_len,
-                              perm_size=perm_size, num_predict=num_predict, word_start=word_start, sep_id=sep_id,
-                              cls_id=cls_id)
+  return example

@@ -126,33 +126,6 @@ def test_batches_and_the_saved_position_do_not_depend_on_the_number_of_processes
     np.testing.assert_array_equal(continued[key], uninterrupted[key])
 
 
-def test_random_b_segments_are_drawn_half_the_time_where_a_sentence_ends(corpus_task):
-  """Over 4,000 row-steps: B continues A (the true next sentences) with probability 0.5 when the window
-  has a sentence boundary to cut A at, else B is random; both with the seeds of (seed, row, step)."""
-  data = pipeline(corpus_task.name, 16, bi_data=False, seed=3)
-  tokens = tasks.token_file(corpus_task, "train")
-  batches = data.iterator()
-  continued = trials = 0
-  for step in range(250):
-    batch = next(batches)
-    for row in range(16):
-      segment_ids, input_ids = batch["segment_ids"][row], batch["input_ids"][row]
-      len_a = int(np.sum(segment_ids == 0)) - REUSE - 1
-      len_b = int(np.sum(segment_ids == 1)) - 1
-      start = row * tokens.size // 16 + step * REUSE
-      window_ids, window_starts = tokens.read_text(start, SEQ * 2)
-      if not window_starts[REUSE + 1:REUSE + SEQ - REUSE - 3].any():
-        continue  # no boundary to cut A at: B is always random
-      trials += 1
-      b = input_ids[REUSE + len_a + 1:REUSE + len_a + 1 + len_b]
-      # A continuing B starts where A ended before trimming: somewhere from A's end to the pair's length.
-      continued += any(np.array_equal(b, window_ids[begin:begin + len_b])
-                       for begin in range(REUSE + len_a, SEQ - 3))
-  rate = continued / trials
-  # A random B equal to the true continuation by chance is negligible at these lengths.
-  assert trials > 3000 and abs(rate - 0.5) <= 4.5 * np.sqrt(0.25 / trials), (continued, trials)
-
-
 def test_tokenize_command_writes_every_split_and_names_bad_flags(demo_paths, tmp_path):
   output = tmp_path / "tokens"
   result = run_module("data_pipelines.tokenize", f"--train_files={demo_paths['validation']}",

@@ -1,5 +1,5 @@
-"""XLNet permutation LM objective: stream windows, whole-word span masks and local permutations,
-checked over thousands of tf.data (graph mode) examples.
+"""XLNet permutation LM objective: row-stream windows of a token file, whole-word span masks and local
+permutations, checked over thousands of tf.data (graph mode) examples.
 
 Synthetic corpus: a word is a word-start piece ("▁x", ids START..CONT) plus 0-2 continuation pieces
 (ids >= CONT); a sentence's first piece comes from [FIRST, START) and nowhere else, so sentence
@@ -11,11 +11,12 @@ import math
 
 import numpy as np
 import pytest
-import seqio
 import tensorflow as tf
 from scipy import stats
 
+from data_pipelines import token_files
 from data_pipelines.objectives import permutation
+from data_pipelines.row_streams import RowStreams
 
 VOCAB, CLS, SEP, EOD = 1000, 3, 4, 7
 FIRST, START, CONT = 10, 100, 600
@@ -50,27 +51,27 @@ def documents_dataset(docs):
   return tf.data.Dataset.from_tensor_slices({"sentences": sentences})
 
 
-def stream_of(docs, backward=False):
-  """The token stream the windows must follow: documents (reversed if backward), each ended by <eod>."""
-  stream = []
-  for doc in docs:
-    tokens = [token for sentence in doc for token in sentence]
-    stream += (tokens[::-1] if backward else tokens) + [EOD]
-  return np.asarray(stream)
+def stream_of(docs):
+  """The token stream the windows must follow: the documents, each ended by <eod>."""
+  return np.asarray([token for doc in docs for token in [t for sentence in doc for t in sentence] + [EOD]])
 
 
-def windows(docs, backward=False, seed=0, **sizes):
-  sizes = {"seq_len": SEQ, "reuse_len": REUSE, **sizes}
-  with seqio.map_seed_manager(seed):
-    return permutation.xlnet_windows(documents_dataset(docs), sep_id=SEP, cls_id=CLS, eod_id=EOD, backward=backward,
-                                     **sizes)
+def token_file(docs, directory):
+  """The corpus as a token file, <eod> a sentence of its own after each document."""
+  token_files.write_part(str(directory / token_files.part_name(0, 1)),
+                         documents_dataset([doc + [[EOD]] for doc in docs]))
+  token_files.finish(str(directory), 1, vocab_size=VOCAB)
+  return token_files.TokenFile(str(directory))
 
 
-def features(window_dataset, seed=0, **settings):
+def stream_examples(tokens, num_steps, backward=False, seed=0, **settings):
+  """One row's examples over `num_steps` steps: the text from its start (backward: from its end, read
+  right to left, as the second row of a bi_data pair that has the whole text)."""
   settings = {"seq_len": SEQ, "reuse_len": REUSE, "perm_size": PERM, "num_predict": PREDICT, **settings}
-  with seqio.map_seed_manager(seed + 1000):  # seeds apart from those `windows` drew
-    return list(permutation.xlnet_permutation_features(
-        window_dataset, word_start=WORD_START, sep_id=SEP, cls_id=CLS, **settings).as_numpy_iterator())
+  example = permutation.window_examples(word_start=WORD_START, sep_id=SEP, cls_id=CLS, **settings)
+  streams = RowStreams(tokens, num_rows=2 if backward else 1, bi_data=backward, step_len=settings["reuse_len"],
+                       window_len=permutation.window_length(settings["seq_len"], settings["reuse_len"]), seed=seed)
+  return list(streams.dataset([1 if backward else 0], 0, example).take(num_steps).as_numpy_iterator())
 
 
 def runs(mask):
@@ -85,23 +86,29 @@ def forward_docs():
 
 
 @pytest.fixture(scope="module")
-def forward_windows(forward_docs):
-  return list(windows(forward_docs).as_numpy_iterator())
+def forward_tokens(forward_docs, tmp_path_factory):
+  return token_file(forward_docs, tmp_path_factory.mktemp("forward"))
 
 
 @pytest.fixture(scope="module")
-def examples(forward_docs):
-  """Forward then backward feature examples (one pipeline: the direction travels with each window)."""
-  num_forward = len(list(windows(forward_docs).as_numpy_iterator()))
-  both = windows(forward_docs).concatenate(windows(corpus(1000, seed=2), backward=True))
-  return [(example, k >= num_forward) for k, example in enumerate(features(both))]
+def backward_docs():
+  return corpus(1000, seed=2)
+
+
+@pytest.fixture(scope="module")
+def examples(forward_docs, forward_tokens, backward_docs, tmp_path_factory):
+  """(example, backward) over one pass of the forward corpus and one of the backward corpus."""
+  backward_tokens = token_file(backward_docs, tmp_path_factory.mktemp("backward"))
+  forward = stream_examples(forward_tokens, len(stream_of(forward_docs)) // REUSE - 3)
+  backward = stream_examples(backward_tokens, len(stream_of(backward_docs)) // REUSE - 3, backward=True)
+  return [(example, False) for example in forward] + [(example, True) for example in backward]
 
 
 # ----------------------------------------------------------------------------- windows
 
-def test_windows_continue_the_stream_with_the_reference_layout(forward_docs, forward_windows):
+def test_windows_continue_the_stream_with_the_reference_layout(forward_docs, examples):
   stream = stream_of(forward_docs)
-  assert len(forward_windows) >= len(stream) // REUSE - 3  # only a tail shorter than one window is dropped
+  forward_windows = [example for example, backward in examples if not backward]
   continuations = 0
   for k, window in enumerate(forward_windows):
     ids, segments = window["input_ids"], window["segment_ids"]
@@ -111,7 +118,6 @@ def test_windows_continue_the_stream_with_the_reference_layout(forward_docs, for
     np.testing.assert_array_equal(segments, [0] * (REUSE + len_a + 1) + [1] * (len_b + 1) + [2])
     assert ids[REUSE + len_a] == SEP and ids[-2] == SEP and ids[-1] == CLS
     assert not np.any(np.isin(ids[:REUSE + len_a], [SEP, CLS])) and not np.any(np.isin(ids[-len_b - 2:-2], [SEP, CLS]))
-    assert not window["backward"]
     # Memory: the reuse part is the text right after the previous window's, and A continues it.
     np.testing.assert_array_equal(ids[:REUSE], stream[k * REUSE:(k + 1) * REUSE])
     a_start = (k + 1) * REUSE
@@ -124,14 +130,11 @@ def test_windows_continue_the_stream_with_the_reference_layout(forward_docs, for
   assert abs(continuations / n - 0.5) <= Z * math.sqrt(0.25 / n), f"B is the continuation in {continuations}/{n}"
 
 
-def test_backward_reads_every_document_right_to_left():
-  docs = corpus(150, seed=3)
-  backward_windows = list(windows(docs, backward=True).as_numpy_iterator())
-  stream = stream_of(docs, backward=True)
-  assert len(backward_windows) >= len(stream) // REUSE - 3
-  reuse_parts = np.concatenate([w["input_ids"][:REUSE] for w in backward_windows])
+def test_backward_rows_read_the_text_right_to_left(backward_docs, examples):
+  stream = stream_of(backward_docs)[::-1]
+  reuse_parts = np.concatenate([example["input_ids"][:REUSE] for example, backward in examples if backward])
+  assert len(reuse_parts) >= len(stream) - 4 * REUSE
   np.testing.assert_array_equal(reuse_parts, stream[:len(reuse_parts)])
-  assert all(w["backward"] for w in backward_windows)
 
 
 # ----------------------------------------------------------------------------- targets and permutation
@@ -221,12 +224,11 @@ def test_factorization_order_is_blockwise_with_one_shuffle_per_part():
     assert not any((b, a) in before for a, b in before)
 
 
-def test_real_xlnet_sizes():
-  docs = corpus(80, seed=5)
+def test_real_xlnet_sizes(tmp_path):
+  tokens = token_file(corpus(80, seed=5), tmp_path)
   settings = {"seq_len": 512, "reuse_len": 256, "perm_size": 256, "num_predict": 85}
-  both = windows(docs, seq_len=512, reuse_len=256).take(3).concatenate(
-      windows(docs, backward=True, seq_len=512, reuse_len=256).take(3))
-  xlnet_examples = features(both, **settings)
+  xlnet_examples = [example for backward in (False, True)
+                    for example in stream_examples(tokens, 3, backward=backward, **settings)]
   assert len(xlnet_examples) == 6
   for example in xlnet_examples:
     assert example["perm_mask"].shape == (512, 512) and example["target_mapping"].shape == (85, 512)
@@ -286,9 +288,9 @@ def test_spans_mask_beta_tokens_per_alpha_of_context(alpha, beta):
 
 # ----------------------------------------------------------------------------- determinism and settings
 
-def test_same_seed_same_examples(forward_docs, examples):
+def test_same_seed_same_examples(forward_tokens, examples):
   # The fixture's forward examples used seed 0; rebuild their start with seed 0 and with seed 1.
-  again, other = (features(windows(forward_docs, seed=seed).take(50), seed=seed) for seed in (0, 1))
+  again, other = (stream_examples(forward_tokens, 50, seed=seed) for seed in (0, 1))
   for (first, _), repeat in zip(examples, again):
     for key in first:
       np.testing.assert_array_equal(first[key], repeat[key])
@@ -303,5 +305,6 @@ def test_same_seed_same_examples(forward_docs, examples):
     ({"mask_alpha": 1, "mask_beta": 2}, "mask_alpha=1"),
 ])
 def test_bad_settings_are_refused(settings, problem):
+  settings = {"seq_len": SEQ, "reuse_len": REUSE, "perm_size": PERM, "num_predict": PREDICT, **settings}
   with pytest.raises(ValueError, match=problem):
-    features(tf.data.Dataset.range(0), **settings)
+    permutation.window_examples(word_start=WORD_START, sep_id=SEP, cls_id=CLS, **settings)

@@ -26,6 +26,7 @@ import tensorflow as tf
 from data_pipelines import sources, tasks
 from data_pipelines.feature_converters import FixedShapeFeatureConverter
 from data_pipelines.row_streams import RowStreams
+from data_pipelines.token_files import TokenFile
 
 REREAD_WARNING_BYTES = 2**30  # a host reading its text more than once beyond this is worth a warning
 
@@ -65,6 +66,7 @@ class InputPipeline:
     self.bi_data = bi_data
     if bi_data and global_batch_size % 2:
       raise ValueError(f"bi_data pairs forward and backward rows: BATCH_SIZE={global_batch_size} must be even")
+    self._token_files: Dict[str, TokenFile] = {}
     if self.process_index == 0 and not self.reads_streams:
       self._warn_if_shards_reread("train")
 
@@ -108,8 +110,11 @@ class InputPipeline:
     """This process's rows of the row streams' batches from `first_step` on."""
     first_row = self.process_index * self.host_batch_size
     rows = range(first_row, first_row + self.host_batch_size)
-    examples = stream_examples(self.task, self.feature_lengths, split, rows, num_rows=self.global_batch_size,
-                               bi_data=self.bi_data, seed=self.seed, first_step=first_step, say=say)
+    if split not in self._token_files:  # opened once: every evaluation reads the held-out split again
+      self._token_files[split] = tasks.token_file(self.task, split, say=say)
+    examples = stream_examples(self.task, self.feature_lengths, self._token_files[split], rows,
+                               num_rows=self.global_batch_size, bi_data=self.bi_data, seed=self.seed,
+                               first_step=first_step)
     return self.converter(examples, self.feature_lengths).batch(self.host_batch_size, drop_remainder=True)
 
   def iterator(self, split: str = "train", say=print):
@@ -130,12 +135,22 @@ class InputPipeline:
       yield {k: np.concatenate([np.asarray(b[k]) for b in batches]) for k in batches[0]}
 
 
-def stream_examples(task, feature_lengths: Mapping[str, int], split: str, rows: Sequence[int], *, num_rows: int,
-                    bi_data: bool, seed: int, first_step: int = 0, say=print) -> tf.data.Dataset:
-  """The examples of `rows` of a stream task's `num_rows` row streams, step after step, in row order."""
+def task_examples(task, feature_lengths: Mapping[str, int], split: str, seed: int = 0,
+                  say=print) -> tf.data.Dataset:
+  """A task's examples as training makes them, unshuffled; a stream task's are one row's, step after step."""
+  if tasks.continues_across_examples(task):
+    return stream_examples(task, feature_lengths, tasks.token_file(task, split, say=say), [0], num_rows=1,
+                           bi_data=False, seed=seed)
+  return tasks.get_dataset(task, feature_lengths, split=split, shuffle=False, seed=seed, num_epochs=1)
+
+
+def stream_examples(task, feature_lengths: Mapping[str, int], token_file: TokenFile, rows: Sequence[int], *,
+                    num_rows: int, bi_data: bool, seed: int, first_step: int = 0) -> tf.data.Dataset:
+  """The examples of `rows` of a stream task's `num_rows` row streams over `token_file`, step after step,
+  in row order."""
   reading = tasks.stream_reading(task, feature_lengths)
-  streams = RowStreams(tasks.token_file(task, split, say=say), num_rows=num_rows, bi_data=bi_data,
-                       step_len=reading.step_len, window_len=reading.window_len, seed=seed)
+  streams = RowStreams(token_file, num_rows=num_rows, bi_data=bi_data, step_len=reading.step_len,
+                       window_len=reading.window_len, seed=seed)
   return streams.dataset(rows, first_step, reading.example)
 
 

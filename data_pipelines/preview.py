@@ -64,11 +64,7 @@ def print_examples(task_name: str, split: str, num_examples: int, output_format:
   lengths = feature_lengths or dict(schema.default_lengths)
   tasks.check_lengths(objective, lengths)
   vocabulary = tasks.vocabulary(task)
-  if tasks.continues_across_examples(task):  # as training reads them: one row's stream, window after window
-    dataset = input_pipeline.stream_examples(task, lengths, split, [0], num_rows=1, bi_data=False, seed=seed,
-                                             say=lambda line: print(line, file=sys.stderr))
-  else:
-    dataset = tasks.get_dataset(task, lengths, split=split, shuffle=False, seed=seed, num_epochs=1)
+  dataset = input_pipeline.task_examples(task, lengths, split, seed, say=lambda line: print(line, file=sys.stderr))
   for index, example in enumerate(dataset.take(num_examples).as_numpy_iterator()):
     if output_format == "jsonl":
       print(json.dumps({name: np.asarray(value).tolist() for name, value in example.items()}))

@@ -212,10 +212,11 @@ def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_
   assert not np.array_equal(from_wiki[:, 0], from_wiki[:, 1])
 
 
-def test_a_mixtures_data_position_saved_by_two_processes_continues_exactly_on_one(tiny_wiki_dir, books_file,
-                                                                                  demo_paths, tmp_path):
+def test_a_mixtures_data_position_continues_exactly_on_another_number_of_processes(tiny_wiki_dir, books_file,
+                                                                                   demo_paths, tmp_path):
   """Each data shard's position is saved on its own (as pretrain.checkpoints saves it), so one process
-  continues the batches that two processes were reading, the two halves side by side."""
+  continues the batches that two processes were reading, the two halves side by side, and two continue
+  what one was reading."""
   import tensorflow as tf
 
   from data_pipelines.input_pipeline import InputPipeline
@@ -238,6 +239,13 @@ def test_a_mixtures_data_position_saved_by_two_processes_continues_exactly_on_on
   fresh = pipeline(0, 1).iterator()
   assert not np.array_equal(next(fresh)["input_ids"], expected[0])
   assert "no position of data shard 0 of 4" in pipeline(0, 1, data_shards=4).iterator().restore(tmp_path)
+
+  resumed.save(tmp_path / "one")  # after the 6th batch: two processes take over
+  expected = [next(resumed)["input_ids"] for _ in range(2)]
+  halves = [pipeline(index, 2).iterator() for index in (0, 1)]
+  assert [half.restore(tmp_path / "one") for half in halves] == [None, None]
+  for batch in expected:
+    np.testing.assert_array_equal(np.concatenate([next(half)["input_ids"] for half in halves]), batch)
 
 
 def test_a_mixture_needs_one_positive_rate_per_task(demo_paths):

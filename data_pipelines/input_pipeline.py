@@ -110,16 +110,22 @@ class InputPipeline:
     """This process's rows of the row streams' batches from `first_step` on."""
     first_row = self.process_index * self.host_batch_size
     rows = range(first_row, first_row + self.host_batch_size)
-    if split not in self._token_files:  # opened once: every evaluation reads the held-out split again
-      self._token_files[split] = tasks.token_file(self.task, split, say=say)
-    examples = stream_examples(self.task, self.feature_lengths, self._token_files[split], rows,
+    examples = stream_examples(self.task, self.feature_lengths, self._token_file(split, say), rows,
                                num_rows=self.global_batch_size, bi_data=self.bi_data, seed=self.seed,
                                first_step=first_step)
     return self.converter(examples, self.feature_lengths).batch(self.host_batch_size, drop_remainder=True)
 
+  def _token_file(self, split: str, say=print) -> TokenFile:
+    """Opened once: every evaluation reads the held-out split again."""
+    if split not in self._token_files:
+      self._token_files[split] = tasks.token_file(self.task, split, say=say)
+    return self._token_files[split]
+
   def iterator(self, split: str = "train", say=print):
-    """This process's batches, read on, in an iterator whose position can be saved and restored."""
+    """This process's batches, read on, in an iterator whose position can be saved and restored. A stream
+    task's token file is opened (tokenized first if it is not yet) here, not at the first batch."""
     if self.reads_streams:
+      self._token_file(split, say)
       return StepIterator(lambda first_step: self.stream_batches(split, first_step, say).prefetch(2),
                           write=self.process_index == 0)
     datasets = self.shard_datasets(split, shuffle=True)

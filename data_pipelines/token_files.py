@@ -55,6 +55,7 @@ def write_part(path: str, documents: tf.data.Dataset) -> None:
   encoded = documents.map(_encode, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
   temporary = _temporary(path)
   with tf.io.gfile.GFile(temporary, "wb") as f:
+    f.write(b"")  # GFile makes the file at its first write: an empty part must exist too
     pending, pending_tokens = [], 0
     for tokens in encoded.as_numpy_iterator():
       pending.append(tokens)
@@ -81,6 +82,9 @@ def write(task: seqio.Task, split: str, directory: str, progress: bool = True) -
       total += tf.io.gfile.stat(path).length // _BYTES_PER_TOKEN
       bar.set_postfix(tokens=f"{total:,}")
       bar.update()
+  if total == 0:
+    raise ValueError(f"the {split} text of {task.name} holds no sentences to tokenize ({len(shards)} file(s), e.g. "
+                     f"{shards[0]})")
   vocabulary = next(iter(task.output_features.values())).vocabulary
   return finish(directory, len(shards), task=task.name, split=split, vocab_size=vocabulary.vocab_size,
                 vocab_model=getattr(vocabulary, "sentencepiece_model_file", None))
@@ -92,10 +96,7 @@ def finish(directory: str, num_parts: int, **about) -> dict:
   for index in range(num_parts):
     name = part_name(index, num_parts)
     parts.append({"file": name, "tokens": tf.io.gfile.stat(os.path.join(directory, name)).length // _BYTES_PER_TOKEN})
-  total = sum(part["tokens"] for part in parts)
-  if total == 0:
-    raise ValueError(f"{directory}: no tokens were written: the source holds no text")
-  info = {**about, "tokens": total, "parts": parts}
+  info = {**about, "tokens": sum(part["tokens"] for part in parts), "parts": parts}
   info_path = os.path.join(directory, INFO_FILE)
   temporary = _temporary(info_path)
   with tf.io.gfile.GFile(temporary, "w") as f:

@@ -67,6 +67,15 @@ def test_train_files_naming_a_directory_is_named(tmp_path, capsys):
                                 f"text files, e.g. TRAIN_FILES='{tmp_path}/text/*.txt'"), last
 
 
+def test_an_xlnet_corpus_of_blank_lines_is_named(tmp_path, capsys, demo_paths):
+  """XLNet tokenizes its text into token files before the first step: nothing to tokenize is one line."""
+  (tmp_path / "blank.txt").write_text("\n \n\t\n\n")
+  code, last = run_train(capsys, tmp_path / "run", XLNET_RUN, f"--gin.TRAIN_FILES='{tmp_path}/*.txt'",
+                         f"--gin.VOCAB_MODEL='{demo_paths['vocab_model']}'")
+  assert code == 1 and last == (f"{ERROR}the train text of text_xlnet_plm holds no sentences to tokenize (1 file(s), "
+                                f"e.g. {tmp_path}/blank.txt)"), last
+
+
 @pytest.mark.parametrize("args, message", [
     ([BERT_RUN, "--gin.TASK_FEATURE_LENGTHS={'input_ids': 8, 'masked_positions': 20}"],
      "TASK_FEATURE_LENGTHS={'input_ids': 8, 'masked_positions': 20} do not fit the bert_mlm_nsp objective: "

@@ -79,20 +79,20 @@ class InputPipeline:
 
   def _warn_if_shards_reread(self, split: str) -> None:
     """Text sources shard by file: with fewer files than shards every shard reads all of them."""
-    num_shards = self.num_data_shards
     for task in seqio.get_subtasks(self.task):
       source = task.source
       if not isinstance(source, sources.TextDocumentSource) or split not in source.splits:
         continue
       num_files = len(source.list_shards(split))
-      if num_files >= num_shards:
+      if num_files >= self.num_data_shards:
         continue
       size = source.total_bytes(split)
       per_host = size * self.shards_per_process
       if per_host > REREAD_WARNING_BYTES:
-        print(f"warning: {task.name} reads {num_files} file(s) ({size / 2**30:.2f} GiB) as {num_shards} data "
-              f"shards, so each shard reads all of them: {per_host / 2**30:.1f} GiB per host per pass. "
-              f"Split the text into {num_shards} files: python -m data_pipelines.split_text --num_files={num_shards}")
+        print(f"warning: {task.name} reads {num_files} file(s) ({size / 2**30:.2f} GiB) as {self.num_data_shards} "
+              f"data shards, so each shard reads all of them: {per_host / 2**30:.1f} GiB per host per pass. Split "
+              f"the text into {self.num_data_shards} files: "
+              f"python -m data_pipelines.split_text --num_files={self.num_data_shards}")
 
   def shard_datasets(self, split: str, shuffle: bool) -> Dict[int, tf.data.Dataset]:
     """Data shard index -> batches of its rows, repeated, for each data shard this process reads."""

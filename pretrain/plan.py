@@ -7,9 +7,10 @@ Needs libtpu (`pip install -e ".[tpu]"`), not a TPU. It parses the same gin file
 takes train()'s bound arguments, builds the same Setup (steps.make_setup: model, optimizer,
 shardings, microbatches, remat from the model config) over the devices of the topology and compiles
 the same jitted step (steps.jit_train_step) for them. It prints the compiler's per-device HBM
-figures, FLOPs and bytes per step, the model's FLOPs, and a roofline estimate of step time and MFU.
-With scanned layers the memory figures are the scanned program's, and its FLOPs and bytes come from
-small unrolled compiles (XLA counts a loop body once).
+figures, FLOPs and bytes per step, the model's FLOPs, the bytes each device sends in the step's
+collectives (read from the compiled program), and a roofline estimate of step time and MFU, with the
+collectives overlapped and not. With scanned layers the memory figures and collectives are the scanned
+program's, and its FLOPs and bytes come from small unrolled compiles (XLA counts a loop body once).
 `--topology` is libtpu's name, `vN:AxB[xC]` in chips (`v3:16x16` is a v3-512 slice);
 `--num_slices` defaults to the run's NUM_SLICES.
 
@@ -27,6 +28,7 @@ import warnings
 from typing import Optional
 
 from pretrain import cli
+from pretrain.collectives import Collectives, collective_traffic
 from pretrain.errors import ConfigError
 
 DEFAULT_TOPOLOGY = "v3:16x16"
@@ -43,24 +45,31 @@ class Chip:
   hbm_bandwidth: float  # bytes/s
   usable_hbm_bytes: float  # what XLA lets a program use: its out-of-memory message, libtpu 0.0.42.1
   device_kinds: tuple  # jax Device.device_kind of the generation, as jax/_src/pallas/mosaic/tpu_info.py names them
+  ici_bandwidth: float  # bytes/s one chip sends over all its ICI links together, one direction
 
 
 # Peak bf16 FLOP/s and HBM bandwidth per chip from the sources named; usable HBM measured by compiling
-# an oversized program for each generation (nominal HBM per chip in the comments).
+# an oversized program for each generation (nominal HBM per chip in the comments). ICI bandwidth is
+# what a chip can send at once over all its links, one way: Cloud's "all-reduce bandwidth per Pod" over
+# the Pod's chips, which is also half its "bidirectional ICI bandwidth per chip" where it gives both.
 CHIPS = {
     # Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks", CACM 2020:
-    # 46 TFLOP/s, 700 GB/s, 16 GiB (2 cores of 7.48 GiB usable).
-    "v2": Chip("v2", 2, 46e12, 700e9, 2 * 7.48 * GIB, ("TPU v2",)),
-    # cloud.google.com/tpu/docs/v3: 123 TFLOP/s, 900 GB/s, 32 GiB (2 cores of 15.48 GiB usable).
-    "v3": Chip("v3", 2, 123e12, 900e9, 2 * 15.48 * GIB, ("TPU v3",)),
-    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 1200 GB/s, 32 GiB (2 cores of 15.25 GiB usable).
-    "v4": Chip("v4", 2, 275e12, 1200e9, 2 * 15.25 * GIB, ("TPU v4",)),
-    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 819 GB/s, 16 GB.
-    "v5e": Chip("v5litepod", 1, 197e12, 819e9, 15.75 * GIB, ("TPU v5 lite", "TPU v5e")),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 2765 GB/s, 95 GB.
-    "v5p": Chip("v5p", 2, 459e12, 2765e9, 95.74 * GIB, ("TPU v5", "TPU v5p")),
-    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 1638 GB/s, 32 GB.
-    "v6e": Chip("v6e", 1, 918e12, 1638e9, 31.25 * GIB, ("TPU v6 lite", "TPU v6e")),
+    # 46 TFLOP/s, 700 GB/s, 16 GiB (2 cores of 7.48 GiB usable); ICI 4 links of 496 Gbit/s.
+    "v2": Chip("v2", 2, 46e12, 700e9, 2 * 7.48 * GIB, ("TPU v2",), 4 * 496e9 / 8),
+    # cloud.google.com/tpu/docs/v3: 123 TFLOP/s, 900 GB/s, 32 GiB (2 cores of 15.48 GiB usable);
+    # all-reduce bandwidth 340 TB/s per Pod of 1024 chips (Jouppi et al.: 4 links of 656 Gbit/s, 328 GB/s).
+    "v3": Chip("v3", 2, 123e12, 900e9, 2 * 15.48 * GIB, ("TPU v3",), 340e12 / 1024),
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 1200 GB/s, 32 GiB (2 cores of 15.25 GiB usable);
+    # all-reduce bandwidth 1.1 PB/s per Pod of 4096 chips.
+    "v4": Chip("v4", 2, 275e12, 1200e9, 2 * 15.25 * GIB, ("TPU v4",), 1.1e15 / 4096),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 819 GB/s, 16 GB; ICI 400 GB/s per chip both ways
+    # (all-reduce bandwidth 51.2 TB/s per Pod of 256 chips).
+    "v5e": Chip("v5litepod", 1, 197e12, 819e9, 15.75 * GIB, ("TPU v5 lite", "TPU v5e"), 400e9 / 2),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 2765 GB/s, 95 GB; ICI 1200 GB/s per chip both ways.
+    "v5p": Chip("v5p", 2, 459e12, 2765e9, 95.74 * GIB, ("TPU v5", "TPU v5p"), 1200e9 / 2),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 1638 GB/s, 32 GB; ICI 800 GB/s per chip both ways
+    # (all-reduce bandwidth 102.4 TB/s per Pod of 256 chips).
+    "v6e": Chip("v6e", 1, 918e12, 1638e9, 31.25 * GIB, ("TPU v6 lite", "TPU v6e"), 800e9 / 2),
 }
 # Peak dense bf16 FLOP/s of one GPU from NVIDIA's datasheets, which give Tensor Core figures "with
 # sparsity", twice the dense ones: A100 624 TFLOP/s (SXM and PCIe); H100 1979 (SXM), 1671 (NVL), 1513
@@ -200,6 +209,7 @@ class Plan:
   compiled_flops: float = 0.0  # per device per step, loop bodies multiplied out
   bytes_accessed: float = 0.0  # per device per step, likewise
   model_flops: float = 0.0  # whole step, all devices
+  collectives: Collectives = dataclasses.field(default_factory=lambda: Collectives({}))  # of the compiled step
 
   @property
   def peak_flops(self) -> float:
@@ -208,6 +218,10 @@ class Plan:
   @property
   def hbm_bandwidth(self) -> float:
     return self.chip.hbm_bandwidth / self.devices_per_chip
+
+  @property
+  def ici_bandwidth(self) -> float:  # the two TensorCores of a v2-v4 chip share its links
+    return self.chip.ici_bandwidth / self.devices_per_chip
 
   @property
   def hbm_limit(self) -> float:
@@ -219,8 +233,13 @@ class Plan:
     return m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
 
   def step_seconds(self) -> dict:
-    """Roofline lower bounds per step: all FLOPs at peak, or all bytes at full HBM bandwidth."""
-    return {"compute": self.compiled_flops / self.peak_flops, "HBM": self.bytes_accessed / self.hbm_bandwidth}
+    """Roofline lower bounds per step: all FLOPs at peak, all HBM bytes at full bandwidth, all collective
+    bytes at full ICI bandwidth (every link busy; latency ignored)."""
+    return {"compute": self.compiled_flops / self.peak_flops, "HBM": self.bytes_accessed / self.hbm_bandwidth,
+            "communication": self.collectives.total / self.ici_bandwidth}
+
+  def mfu(self, step_seconds: float) -> float:
+    return self.model_flops / (self.devices * self.peak_flops * step_seconds)
 
 
 def setup_lines(p: Plan) -> list:
@@ -228,7 +247,7 @@ def setup_lines(p: Plan) -> list:
       f"topology: {p.topology} ({accelerator_type(p.topology)}) x {p.num_slices} slice(s) = {p.devices} devices "
       f"({p.device_kind}); per device "
       f"{p.hbm_limit / GIB:.2f} GiB HBM usable, {p.peak_flops / 1e12:.1f} TFLOP/s bf16 peak, "
-      f"{p.hbm_bandwidth / 1e9:.0f} GB/s HBM",
+      f"{p.hbm_bandwidth / 1e9:.0f} GB/s HBM, {p.ici_bandwidth / 1e9:.0f} GB/s ICI",
       f"run: {p.family}, {p.parameters / 1e6:.1f}M parameters, global batch {p.batch_size} "
       f"({p.tokens_per_step} tokens), mesh {p.mesh}, microbatches {p.microbatches}, remat {p.remat}, "
       f"{'scanned' if p.scan_layers else 'unrolled'} layers",
@@ -242,8 +261,8 @@ def report_lines(p: Plan) -> list:
     notes.append("scanned layers: extrapolated from unrolled compiles of 1 and 2 layers")
   loops = f" ({'; '.join(notes)})" if notes else ""
   times = p.step_seconds()
-  bound = max(times, key=times.get)
-  mfu = p.model_flops / (p.devices * p.peak_flops * times[bound])
+  bound = max(times, key=times.get)  # collectives overlapped with compute and HBM traffic
+  serial = max(times["compute"], times["HBM"]) + times["communication"]  # collectives not overlapped
   headroom = 1 - p.hbm_total / p.hbm_limit
   lines = [
       f"compiled in {p.compile_seconds:.0f} s",
@@ -255,12 +274,29 @@ def report_lines(p: Plan) -> list:
       f"model FLOPs per step: {p.model_flops:.3e} = {p.model_flops / p.devices:.3e} per device = "
       f"{p.model_flops / p.tokens_per_step:.3e} per token (matmuls of the forward and backward pass, counted "
       f"in the program without remat)",
-      f"estimate (roofline; ignores communication and imperfect overlap): compute {times['compute']:.3g} s, "
-      f"HBM {times['HBM']:.3g} s per step -> {bound}-bound, step >= {times[bound]:.3g} s, MFU <= {mfu:.1%}",
+      collectives_line(p, times["communication"]),
+      f"estimate (roofline; compute, HBM traffic and collectives fully overlapped): compute {times['compute']:.3g} s, "
+      f"HBM {times['HBM']:.3g} s, communication {times['communication']:.3g} s per step -> {bound}-bound, "
+      f"step >= {times[bound]:.3g} s, MFU <= {p.mfu(times[bound]):.1%}",
+      f"estimate if collectives do not overlap (step >= max(compute, HBM) + communication): "
+      f"step >= {serial:.3g} s, MFU <= {p.mfu(serial):.1%}",
   ]
   if headroom < HEADROOM_WARNING:
     lines.append(f"warning: less than {HEADROOM_WARNING:.0%} of HBM left; prefer more remat, microbatches or fsdp")
   return lines
+
+
+def collectives_line(p: Plan, seconds: float) -> str:
+  c = p.collectives
+  by_kind = ", ".join(f"{kind} {sent:.3e}" for kind, sent in c.bytes_by_kind.items()) or "none"
+  notes = ["ring algorithms", "loop bodies × their trip counts"]
+  if c.loops_of_unknown_length:
+    notes.append(f"{c.loops_of_unknown_length} loop(s) of unrecognised trip count counted once, so at least this")
+  if p.num_slices > 1:
+    notes.append("collectives across slices go over DCN, slower than ICI, yet are timed at ICI bandwidth")
+  return (f"collectives: bytes sent per device per step: {by_kind}; total {c.total:.3e} ({'; '.join(notes)}) "
+          f"-> {seconds:.3g} s at {p.ici_bandwidth / 1e9:.0f} GB/s ICI per device (all its chip's links busy; "
+          f"latency ignored)")
 
 
 def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
@@ -301,6 +337,7 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
     p.compiled_flops, p.bytes_accessed = unrolled_step_cost(setup, arguments)
   else:
     p.compiled_flops, p.bytes_accessed = step_cost(compiled, setup.microbatches)
+  p.collectives = collective_traffic(compiled.as_text(), p.devices)  # with scanned layers, the scanned program's
   return p
 
 

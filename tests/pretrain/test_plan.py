@@ -8,6 +8,7 @@ from helpers import run_module
 
 RUN = "gin_configs/runs/bert_tiny_demo.gin"
 V3_USABLE_GIB = 15.48  # per TensorCore, the compiler's own limit (its out-of-memory message)
+V3_ICI_PER_CORE = 340e12 / 1024 / 2  # bytes/s: Cloud's all-reduce bandwidth per v3 Pod, per chip, per TensorCore
 
 
 def run_plan(*args, run=RUN):
@@ -64,6 +65,33 @@ def test_plan_of_a_tiny_bert_on_a_v3_8_fits_with_sane_figures(tiny_plan):
   assert step > 0 and 0 < mfu <= 100
 
 
+def collective_figures(out):
+  """({kind: bytes}, total bytes, seconds) of a plan's collectives line."""
+  line = next(line for line in out.splitlines() if line.startswith("collectives: bytes sent per device per step:"))
+  by_kind = {kind: float(sent) for kind, sent in re.findall(r"([a-z-]+) ([\d.]+e[+-]\d+)", line.split("; total")[0])}
+  total, seconds = figure(r"; total ([\d.e+]+) .* -> ([\d.e+-]+) s at", line)
+  return by_kind, total, seconds
+
+
+def test_the_tiny_plan_counts_the_data_parallel_gradient_reduction_and_times_it_at_ici_bandwidth(tiny_plan):
+  by_kind, total, seconds = collective_figures(tiny_plan)
+  assert total == pytest.approx(sum(by_kind.values()), rel=1e-3)
+  # Mesh data 4 x model 2: every device holds at least half the parameters' f32 gradients (the rest is
+  # split over `model`), reduced over its 4 data-parallel peers. However XLA does it, each device sends
+  # at least (4 - 1) / 4 of them; a ring all-reduce sends twice that.
+  parameters, = figure(r"([\d.]+)M parameters", tiny_plan)
+  assert by_kind.get("all-reduce", 0) + by_kind.get("reduce-scatter", 0) >= 3 / 4 * 4 * parameters * 1e6 / 2
+  assert seconds == pytest.approx(total / V3_ICI_PER_CORE, rel=1e-2)
+  assert f"{V3_ICI_PER_CORE / 1e9:.0f} GB/s ICI" in tiny_plan
+  compute, hbm, communication, step = figure(
+      r"compute ([\d.e+-]+) s, HBM ([\d.e+-]+) s, communication ([\d.e+-]+) s per step .* step >= ([\d.e+-]+) s",
+      tiny_plan)
+  assert communication == pytest.approx(seconds, rel=1e-2)
+  assert step == pytest.approx(max(compute, hbm, communication), rel=1e-2)  # the headline assumes overlap
+  serial, = figure(r"collectives do not overlap .* step >= ([\d.e+-]+) s", tiny_plan)
+  assert serial == pytest.approx(max(compute, hbm) + communication, rel=1e-2)
+
+
 def test_scanned_layers_are_costed_as_if_unrolled(tiny_plan):
   # XLA counts a scanned stack's body once: with 2 layers, reading its figure as is would halve them.
   result = run_plan(*TINY_PLAN, "--gin.bert.BertConfig.scan_layers=True")
@@ -73,6 +101,12 @@ def test_scanned_layers_are_costed_as_if_unrolled(tiny_plan):
                   r"HBM bytes accessed per device per step: ([\d.e+]+)",
                   r"model FLOPs per step: ([\d.e+]+)"):
     assert figure(pattern, result.stdout) == pytest.approx(figure(pattern, tiny_plan), rel=0.02), pattern
+  # The scanned program's collectives sit in a loop over layers inside the loop over microbatches, each
+  # body counted as often as it runs. It all-reduces each layer's gradients in every microbatch, where
+  # the unrolled program does so once after the microbatch loop: here 2 x 2 x 0.59 MB more, +10%.
+  # Counting either loop's body once would come out well under the unrolled program's figure.
+  scanned, unrolled = collective_figures(result.stdout)[1], collective_figures(tiny_plan)[1]
+  assert 0.95 * unrolled < scanned < 1.25 * unrolled
   total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", result.stdout)
   assert 0 < total < limit
 

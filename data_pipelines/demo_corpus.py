@@ -51,11 +51,20 @@ def _sentences(docstring: str):
         yield sentence
 
 
-def documents():
-  stdlib = Path(sysconfig.get_paths()["stdlib"])
-  for source_file in sorted(stdlib.rglob("*.py")):
+def stdlib_root() -> Path:
+  return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_sources():
+  """The standard library's source files the corpus reads, in a fixed order (tests and site-packages left out)."""
+  for source_file in sorted(stdlib_root().rglob("*.py")):
     if "site-packages" in source_file.parts or "test" in source_file.parts or "tests" in source_file.parts:
       continue
+    yield source_file
+
+
+def documents():
+  for source_file in stdlib_sources():
     for doc in _docstrings(source_file):
       sentences = list(_sentences(doc))
       if sentences:

@@ -8,6 +8,7 @@ is its one writer and `read_run_config` its one reader. Params are stored as the
 scanned layer stacks (`scan_layers`) or unrolled ones; `in_layout` converts between the two.
 """
 import dataclasses
+import uuid
 from typing import List, Mapping, Optional, Tuple
 
 import jax.numpy as jnp
@@ -102,8 +103,10 @@ def keep_vocabulary(model_dir: str, run_vocab: str, write: bool) -> None:
     if kept.read_bytes() != model:
       raise ConfigError(f"VOCAB_MODEL={run_vocab!r} differs from {kept}, the vocabulary this MODEL_DIR was "
                         "trained with; use that one or a new MODEL_DIR")
-  elif write:
-    kept.write_bytes(model)
+  elif write:  # whole or not at all: the other processes compare it as soon as it is there
+    partial = kept.with_name(f"{kept.name}.tmp-{uuid.uuid4().hex[:8]}")
+    partial.write_bytes(model)
+    partial.rename(kept)
 
 
 def in_layout(params, scan_layers: bool):

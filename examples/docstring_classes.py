@@ -93,6 +93,16 @@ def train_batches(task: Task, batch_size: int, steps: int, seed: int) -> Iterato
     yield [task.train[i][0] for i in rows], np.array([task.train[i][1] for i in rows])
 
 
+def add_fine_tuning_flags(parser) -> None:
+  """The flags both fine-tuning examples take besides the weights' directory."""
+  parser.add_argument("--steps", type=int, default=300, help="fine-tuning steps of each run")
+  parser.add_argument("--batch_size", type=int, default=32)
+  parser.add_argument("--learning_rate", type=float, default=1e-3, help="AdamW's, constant")
+  parser.add_argument("--seed", type=int, default=0, help="the head's init, dropout and the batches")
+  parser.add_argument("--num_classes", type=int, default=5, help="stdlib packages to tell apart")
+  parser.add_argument("--max_length", type=int, default=64, help="tokens per sentence, the frame included")
+
+
 def print_comparison(task: Task, results: dict) -> None:
   """The table both fine-tuning examples end with: {start: {'accuracy', 'losses'}} per row."""
   print(f"\n{'start':<12}{'held-out accuracy':>19}{'last train loss':>17}")

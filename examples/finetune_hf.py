@@ -35,12 +35,7 @@ def make_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python examples/finetune_hf.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--export_dir", required=True, help="a directory written by pretrain.export")
-  parser.add_argument("--steps", type=int, default=300, help="fine-tuning steps of each run")
-  parser.add_argument("--batch_size", type=int, default=32)
-  parser.add_argument("--learning_rate", type=float, default=1e-3, help="AdamW's, constant")
-  parser.add_argument("--seed", type=int, default=0, help="the head's init, dropout and the batches")
-  parser.add_argument("--num_classes", type=int, default=5, help="stdlib packages to tell apart")
-  parser.add_argument("--max_length", type=int, default=64, help="tokens per sentence, the frame included")
+  docstring_classes.add_fine_tuning_flags(parser)
   return parser
 
 

@@ -37,12 +37,7 @@ def make_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python examples/finetune_jax.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--model_dir", required=True, help="a pretraining MODEL_DIR (checkpoints/, vocab.model)")
-  parser.add_argument("--steps", type=int, default=300, help="fine-tuning steps of each run")
-  parser.add_argument("--batch_size", type=int, default=32)
-  parser.add_argument("--learning_rate", type=float, default=1e-3, help="AdamW's, constant")
-  parser.add_argument("--seed", type=int, default=0, help="the head's init, dropout and the batches")
-  parser.add_argument("--num_classes", type=int, default=5, help="stdlib packages to tell apart")
-  parser.add_argument("--max_length", type=int, default=64, help="tokens per sentence, [CLS] and [SEP] included")
+  docstring_classes.add_fine_tuning_flags(parser)
   return parser
 
 

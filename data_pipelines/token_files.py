@@ -170,11 +170,6 @@ class TokenFile:
     ids, starts = decode(self.read(first, count + 1))
     return ids[:count][::-1], starts[1:][::-1]
 
-  def close(self) -> None:
-    for f in self._files.values():
-      f.close()
-    self._files.clear()
-
 
 def cached(task: seqio.Task, split: str, cache_root: str, say=print) -> str:
   """The token directory of `split` under `cache_root`, tokenized on first use."""

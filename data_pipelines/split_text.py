@@ -11,8 +11,9 @@ from data_pipelines import startup  # first, before TensorFlow and JAX load: the
 
 import sys
 
-import tensorflow as tf
 from absl import flags
+
+from data_pipelines import storage
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("input", None, "Glob of text files (one sentence per line, blank line between documents).")
@@ -30,7 +31,7 @@ def documents(paths):
   read = 0
   for path in paths:
     lines = []
-    with tf.io.gfile.GFile(path, "rb") as f:
+    with storage.open_file(path, "rb") as f:
       for line in f:
         read += len(line)
         if line.strip():
@@ -46,13 +47,13 @@ def split_text(pattern: str, output_dir: str, num_files: int) -> int:
   """Writes the parts; returns how many it wrote (fewer than num_files only if documents run out)."""
   if num_files < 1:
     raise ValueError(f"--num_files={num_files}: must be >= 1")
-  paths = sorted(tf.io.gfile.glob(pattern))
+  paths = sorted(storage.glob(pattern))
   if not paths:
     raise FileNotFoundError(f"--input={pattern!r} matches no files")
-  total = sum(tf.io.gfile.stat(p).length for p in paths)
-  if tf.io.gfile.exists(output_dir) and tf.io.gfile.listdir(output_dir):
+  total = sum(storage.stat(p).length for p in paths)
+  if storage.exists(output_dir) and storage.listdir(output_dir):
     raise ValueError(f"--output_dir={output_dir!r} is not empty: parts of another split would mix with these")
-  tf.io.gfile.makedirs(output_dir)
+  storage.makedirs(output_dir)
   index, out, read_before = 0, None, 0
   for lines, read in documents(paths):
     # The next part starts once the input read so far covers this part's share (cumulative, so errors don't add up).
@@ -60,7 +61,7 @@ def split_text(pattern: str, output_dir: str, num_files: int) -> int:
       if out is not None:
         out.close()
         index += 1
-      out = tf.io.gfile.GFile(part_path(output_dir, index, num_files), "wb")
+      out = storage.open_file(part_path(output_dir, index, num_files), "wb")
     else:
       out.write(b"\n")
     out.write(b"".join(lines))

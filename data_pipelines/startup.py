@@ -22,6 +22,9 @@ it for the gin programs); importing it does the following, once per process:
   (unless JAX_PLATFORMS is set). JAX tells a TPU chip by its Google PCI vendor id; here any Google PCI
   device, or any GPU device node, counts as a possible accelerator and leaves JAX's choice alone.
 
+- With `STORAGE_EMULATOR_HOST` set (a local Cloud Storage server), gs:// paths go there: importing
+  `data_pipelines.storage` points etils.epath, gcsfs and tensorstore at it before any of them is used.
+
 `POD_PRETRAIN_DEBUG=1` keeps every line TensorFlow writes while it starts.
 
 `run_absl(main)` is absl's `app.run(main)` with a `--help` that exits 0.
@@ -99,6 +102,7 @@ def _start() -> None:
       tf.config.set_visible_devices([], "GPU")
     except RuntimeError:  # TensorFlow already ran something in this process: its devices are fixed
       pass
+  from data_pipelines import storage  # noqa: F401  (with STORAGE_EMULATOR_HOST, points every library at it)
 
 
 def run_absl(main) -> None:

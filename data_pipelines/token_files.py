@@ -6,19 +6,21 @@ starts a sentence is stored as its bitwise complement (negative), so one array c
 the sentence boundaries the objective splits at. The first token of every document starts a
 sentence. `info.json`, written last, lists the parts with their token counts and the task and
 vocabulary that made them: a directory without it is unfinished, and `write` continues it, keeping
-the parts already written. Paths may be local or gs:// (tf.io.gfile).
+the parts already written. Paths may be local or gs:// (data_pipelines.storage).
 """
 import hashlib
 import json
 import os
 import threading
 import uuid
-from typing import Dict, List, Optional
+from typing import IO, Dict, List, Optional
 
 import numpy as np
 import seqio
 import tensorflow as tf
 from tqdm import tqdm
+
+from data_pipelines import storage
 
 INFO_FILE = "info.json"
 _BYTES_PER_TOKEN = 4
@@ -54,7 +56,7 @@ def write_part(path: str, documents: tf.data.Dataset) -> None:
   """Writes one part: tokenized documents {'sentences': ragged [num_sentences, None]}, one after another."""
   encoded = documents.map(_encode, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
   temporary = _temporary(path)
-  with tf.io.gfile.GFile(temporary, "wb") as f:
+  with storage.open_file(temporary, "wb") as f:
     f.write(b"")  # GFile makes the file at its first write: an empty part must exist too
     pending, pending_tokens = [], 0
     for tokens in encoded.as_numpy_iterator():
@@ -65,21 +67,21 @@ def write_part(path: str, documents: tf.data.Dataset) -> None:
         pending, pending_tokens = [], 0
     if pending:
       f.write(np.concatenate(pending).astype("<i4").tobytes())
-  tf.io.gfile.rename(temporary, path, overwrite=True)  # a part that exists is complete
+  storage.rename(temporary, path, overwrite=True)  # a part that exists is complete
 
 
 def write(task: seqio.Task, split: str, directory: str, progress: bool = True) -> dict:
   """Tokenizes `split` of `task`'s source into `directory`, continuing an unfinished one; returns its info."""
   shards = task.source.list_shards(split)
-  tf.io.gfile.makedirs(directory)
+  storage.makedirs(directory)
   total = 0
   with tqdm(total=len(shards), unit="part", desc=f"{task.name} {split}", disable=not progress) as bar:
     for index in range(len(shards)):
       path = os.path.join(directory, part_name(index, len(shards)))
-      if not tf.io.gfile.exists(path):
+      if not storage.exists(path):
         documents = task.source.get_dataset(split, shuffle=False, shard_info=seqio.ShardInfo(index, len(shards)))
         write_part(path, task.preprocess_precache(documents))  # the task's own tokenization
-      total += tf.io.gfile.stat(path).length // _BYTES_PER_TOKEN
+      total += storage.stat(path).length // _BYTES_PER_TOKEN
       bar.set_postfix(tokens=f"{total:,}")
       bar.update()
   if total == 0:
@@ -95,13 +97,13 @@ def finish(directory: str, num_parts: int, **about) -> dict:
   parts = []
   for index in range(num_parts):
     name = part_name(index, num_parts)
-    parts.append({"file": name, "tokens": tf.io.gfile.stat(os.path.join(directory, name)).length // _BYTES_PER_TOKEN})
+    parts.append({"file": name, "tokens": storage.stat(os.path.join(directory, name)).length // _BYTES_PER_TOKEN})
   info = {**about, "tokens": sum(part["tokens"] for part in parts), "parts": parts}
   info_path = os.path.join(directory, INFO_FILE)
   temporary = _temporary(info_path)
-  with tf.io.gfile.GFile(temporary, "w") as f:
+  with storage.open_file(temporary, "w") as f:
     json.dump(info, f, indent=1)
-  tf.io.gfile.rename(temporary, info_path, overwrite=True)
+  storage.rename(temporary, info_path, overwrite=True)
   return info
 
 
@@ -111,12 +113,12 @@ def fingerprint(task: seqio.Task, split: str) -> str:
   h = hashlib.sha256(f"{task.name}\n{split}\n".encode())
   for shard in task.source.list_shards(split):
     h.update(shard.encode())
-    if tf.io.gfile.exists(shard):
-      stat = tf.io.gfile.stat(shard)
+    if storage.exists(shard):
+      stat = storage.stat(shard)
       h.update(f" {stat.length} {stat.mtime_nsec}\n".encode())
   vocabulary = next(iter(task.output_features.values())).vocabulary
   model_file = getattr(vocabulary, "sentencepiece_model_file", None)
-  h.update(tf.io.gfile.GFile(model_file, "rb").read() if model_file else repr(vocabulary).encode())
+  h.update(storage.open_file(model_file, "rb").read() if model_file else repr(vocabulary).encode())
   return h.hexdigest()[:16]
 
 
@@ -125,22 +127,22 @@ class TokenFile:
 
   def __init__(self, directory: str):
     info_path = os.path.join(directory, INFO_FILE)
-    if not tf.io.gfile.exists(info_path):
+    if not storage.exists(info_path):
       raise FileNotFoundError(f"{directory} has no {INFO_FILE}: not a finished token directory; make it with "
                               "python -m data_pipelines.tokenize (which continues an unfinished one)")
-    with tf.io.gfile.GFile(info_path) as f:
+    with storage.open_file(info_path) as f:
       self.info = json.load(f)
     self.directory = directory
     self.size = int(self.info["tokens"])
     counts = [part["tokens"] for part in self.info["parts"]]
     self._starts = np.concatenate([[0], np.cumsum(counts)])
     self._paths = [os.path.join(directory, part["file"]) for part in self.info["parts"]]
-    self._files: Dict[int, tf.io.gfile.GFile] = {}
+    self._files: Dict[int, IO] = {}
     self._lock = threading.Lock()  # a file's seek and read belong together
 
   def _read_part(self, part: int, offset: int, count: int) -> np.ndarray:
     if part not in self._files:
-      self._files[part] = tf.io.gfile.GFile(self._paths[part], "rb")
+      self._files[part] = storage.open_file(self._paths[part], "rb")
     f = self._files[part]
     f.seek(offset * _BYTES_PER_TOKEN)
     data = f.read(count * _BYTES_PER_TOKEN)
@@ -174,7 +176,7 @@ class TokenFile:
 def cached(task: seqio.Task, split: str, cache_root: str, say=print) -> str:
   """The token directory of `split` under `cache_root`, tokenized on first use."""
   directory = os.path.join(cache_root, f"{task.name}-{split}-{fingerprint(task, split)}")
-  if not tf.io.gfile.exists(os.path.join(directory, INFO_FILE)):
+  if not storage.exists(os.path.join(directory, INFO_FILE)):
     say(f"tokenizing {task.name} ({split}) once into {directory}; for a pod, tokenize ahead with "
         "python -m data_pipelines.tokenize and set TOKEN_DIR")
     write(task, split, directory, progress=False)

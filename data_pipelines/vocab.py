@@ -20,6 +20,8 @@ from absl import flags
 from etils import epath
 from google.protobuf import message
 
+from data_pipelines import storage
+
 PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
 FIRST_NORMAL_ID = 7  # ids below are special pieces (those above and [CLS], [SEP], [MASK]): never a random replacement
 CLS_PIECE, SEP_PIECE, MASK_PIECE = "[CLS]", "[SEP]", "[MASK]"
@@ -63,7 +65,7 @@ def load_vocabulary(model_path: str, extra_ids: int = 0) -> seqio.SentencePieceV
     raise FileNotFoundError(f"VOCAB_MODEL={model_path!r}: no such sentencepiece model")
   if path.is_dir():
     raise ValueError(f"VOCAB_MODEL={model_path!r} is a directory: expected the .model file of a sentencepiece model")
-  vocabulary = seqio.SentencePieceVocabulary(model_path, extra_ids=extra_ids)
+  vocabulary = seqio.SentencePieceVocabulary(storage.tf_readable(model_path), extra_ids=extra_ids)  # TF reads it
   try:
     special_ids(vocabulary)  # fail early on a model trained without our special pieces
   except (message.DecodeError, RuntimeError) as e:  # seqio reads the file on first use

@@ -16,6 +16,7 @@ import jax
 import tensorflow as tf
 from etils import epath
 
+from data_pipelines import storage
 from pretrain.errors import one_line
 
 
@@ -46,8 +47,10 @@ class MetricsWriter:
     if self.enabled:
       self._jsonl = epath.Path(model_dir) / "metrics.jsonl"
       self._jsonl.parent.mkdir(parents=True, exist_ok=True)
-      self._tensorboard = {split: tf.summary.create_file_writer(str(epath.Path(model_dir) / "tensorboard" / split))
-                           for split in ("train", "eval")}
+      # tf.summary writes with TensorFlow's filesystem: staged where that cannot reach MODEL_DIR.
+      self._event_dirs = {split: storage.StagedDirectory(str(epath.Path(model_dir) / "tensorboard" / split))
+                          for split in ("train", "eval")}
+      self._tensorboard = {split: tf.summary.create_file_writer(d.path) for split, d in self._event_dirs.items()}
 
   def write(self, step: int, metrics: Mapping[str, float], split: str = "train") -> None:
     if not self.enabled:
@@ -56,12 +59,12 @@ class MetricsWriter:
         "step": step, **({"split": split} if split != "train" else {}), **{k: float(v) for k, v in metrics.items()}
     }
     try:
-      with self._jsonl.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+      storage.append_text(str(self._jsonl), json.dumps(record) + "\n")
       with self._tensorboard[split].as_default(step=step):
         for name, value in metrics.items():
           tf.summary.scalar(name, float(value))
       self._tensorboard[split].flush()
+      self._event_dirs[split].sync()
       self._failing = False
     except (OSError, tf.errors.OpError) as e:  # a log is not worth a run: checkpoints say when storage is gone
       if not self._failing:
@@ -88,5 +91,7 @@ class MetricsWriter:
 
   def close(self) -> None:
     if self.enabled:
-      for writer in self._tensorboard.values():
+      for split, writer in self._tensorboard.items():
         writer.close()
+        self._event_dirs[split].sync()
+        self._event_dirs[split].close()

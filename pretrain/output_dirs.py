@@ -31,8 +31,9 @@ def staged_directory(output_dir: epath.Path):
   try:
     yield str(local)
     if sibling != local:
-      for path in local.rglob("*"):
-        if path.is_file():
+      for root, _, files in os.walk(local):  # a local tree (epath has no recursive glob)
+        for name in files:
+          path = epath.Path(root) / name
           (sibling / path.relative_to(local)).parent.mkdir(parents=True, exist_ok=True)
           path.copy(sibling / path.relative_to(local))
     if output_dir.exists():

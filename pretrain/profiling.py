@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import jax
 from etils import epath
 
+from data_pipelines import storage
 from pretrain.errors import ConfigError
 from pretrain.metrics import say
 
@@ -27,13 +28,15 @@ class StepProfiler:
     self.steps = steps if jax.process_index() == 0 else None
     self.directory = epath.Path(model_dir) / "profile"
     self._traced = None  # [first, last] steps while tracing
+    self._staged = None  # where the profiler writes: the trace is copied to `directory` when it stops
 
   def before(self, step: int) -> None:
     """Traces from `step`, about to be dispatched, if it is in the range."""
     if not (self.steps and self.steps[0] <= step <= self.steps[1]):
       return
     if self._traced is None:
-      jax.profiler.start_trace(str(self.directory))
+      self._staged = storage.StagedDirectory(str(self.directory))
+      jax.profiler.start_trace(self._staged.path)
       self._traced = [step, step]
     self._traced[1] = step
 
@@ -45,6 +48,8 @@ class StepProfiler:
 
   def _stop(self) -> None:
     jax.profiler.stop_trace()
+    self._staged.sync()
+    self._staged.close()
     first, last = self._traced
     self._traced = None
     say(f"profiled steps {first}-{last} in {self.directory}: tensorboard --logdir={self.directory}, Profile tab")

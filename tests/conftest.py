@@ -20,6 +20,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_COMPILATION_CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ.setdefault("POD_PRETRAIN_CACHE", os.path.join(tempfile.gettempdir(), "pod_pretrain_test_cache"))
+# etils.epath picks its gs:// backend once per process, at its first path: gcsfs (which the gs:// tests'
+# local server needs) only if this is set by then. Local paths are unaffected.
+os.environ["EPATH_USE_TF"] = "false"
 
 
 @pytest.fixture(scope="session")
@@ -49,6 +52,26 @@ def demo_vocab(demo_paths):
   """The demo seqio.SentencePieceVocabulary."""
   from data_pipelines import vocab
   return vocab.load_vocabulary(demo_paths["vocab_model"])
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(tmp_path_factory):
+  """gs://pod-pretrain-test on a local Cloud Storage server (tests/local_gcs.py) that every library the
+  framework uses is pointed at (data_pipelines.storage.use_emulator), for this process and its children;
+  stopped, and the variables removed, at the end of the session."""
+  from local_gcs import LocalCloudStorage
+
+  from data_pipelines import storage
+  saved = dict(os.environ)
+  server = LocalCloudStorage(tmp_path_factory.mktemp("cloud_storage") / "objects")
+  try:
+    storage.use_emulator(server.url)
+    yield server.create_bucket("pod-pretrain-test")
+  finally:
+    server.stop()
+    for name in set(os.environ) - set(saved):
+      del os.environ[name]
+    os.environ.update(saved)
 
 
 def pytest_sessionfinish(session, exitstatus):

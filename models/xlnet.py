@@ -8,7 +8,9 @@ sees the token there.
 
 Conventions (as the reference, only batch first):
 - `perm_mask[b, i, j] = 1`: position i may not attend to position j. Memory is always visible.
-- `target_mapping[b, m, j] = 1`: the m-th prediction is at position j (rows of zeros = padding).
+- `target_mapping[b, m, j] = 1`: the m-th prediction is at position j (one 1 per row; rows of zeros
+  = padding). HuggingFace's takes any weights; one-hot rows let the query stream attend from its
+  predicted positions only.
 - `input_mask[b, j] = 1`: position j is padding (optional; nobody attends to it).
 - `mems`: [b, n_layer, mlen, d_model], each layer's input states of earlier segments. Batch leads
   so that the trainer can split it with the batch (gradient accumulation, data parallelism).
@@ -20,7 +22,8 @@ example (saves projecting [b, klen + qlen, d_model] per layer); GELU is the exac
 HuggingFace uses, where the reference TF code uses its tanh approximation.
 """
 import dataclasses
-from typing import Any, Optional
+import functools
+from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -87,11 +90,49 @@ def rel_shift(scores: jax.Array, klen: int) -> jax.Array:
   return shifted[..., :klen]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def shift_rows(scores: jax.Array, starts: jax.Array, width: int) -> jax.Array:
+  """[b, n, m, r] -> [b, n, m, width]: row (b, m) keeps the columns from starts[b, m] on, 0 <= start <= r - width.
+
+  A shift per row, one binary digit of the start at a time, largest first (the rows narrow soonest);
+  each stage selects between two slices. (XLA makes a gather of this shape a loop over rows on TPU,
+  and take_along_axis costs 30x the bytes.) The gradient puts each row back the same way, one select
+  per stage: autodiff would pad and add both branches of every select.
+  """
+  bits = (scores.shape[-1] - width).bit_length()
+  x = jnp.pad(scores, [(0, 0)] * 3 + [(0, (1 << bits) - 1 - (scores.shape[-1] - width))])  # shifts < 2**bits
+  for bit in reversed(range(bits)):
+    kept = x.shape[-1] - (1 << bit)
+    x = jnp.where(_digit(starts, bit, x.shape[:3] + (kept,)), x[..., 1 << bit:], x[..., :kept])
+  return x[..., :width]
+
+
+def _digit(starts, bit, shape):
+  return jnp.broadcast_to(((starts >> bit) & 1).astype(bool)[:, None, :, None], shape)
+
+
+def _shift_rows_forward(scores, starts, width):
+  return shift_rows(scores, starts, width), (starts, scores.shape[-1])
+
+
+def _shift_rows_backward(width, residuals, grad):
+  starts, columns = residuals
+  bits = (columns - width).bit_length()
+  for bit in range(bits):  # smallest first: the reverse of the forward stages
+    stride = 1 << bit
+    grad = jnp.where(_digit(starts, bit, grad.shape[:3] + (grad.shape[-1] + stride,)),
+                     jnp.pad(grad, [(0, 0)] * 3 + [(stride, 0)]), jnp.pad(grad, [(0, 0)] * 3 + [(0, stride)]))
+  return grad[..., :columns], None
+
+
+shift_rows.defvjp(_shift_rows_forward, _shift_rows_backward)
+
+
 def position_scores(query: jax.Array, key_r: jax.Array) -> jax.Array:
   """query [b, q, n, d] x key_r [directions, r, n, d] -> [b, n, q, r]; row i uses direction i % directions."""
   directions = key_r.shape[0]
   query = query.reshape((query.shape[0] // directions, directions) + query.shape[1:])
-  scores = jnp.einsum("bzind,zjnd->bznij", query, key_r)
+  scores = jnp.einsum("zjnd,bzind->bznij", key_r, query)  # this operand order spares XLA a transpose on TPU
   return scores.reshape((-1,) + scores.shape[2:])
 
 
@@ -106,6 +147,24 @@ def attention_masks(perm_mask, input_mask, batch: int, qlen: int, mlen: int):
   blocked = jnp.pad(blocked, ((0, 0), (0, 0), (mlen, 0)))
   own_position = jnp.eye(qlen, mlen + qlen, k=mlen, dtype=bool)
   return blocked, blocked & ~own_position
+
+
+class PredictedRows(NamedTuple):
+  """What the query stream's rows need: row m of batch row b predicts position positions[b, m]."""
+  starts: jax.Array  # [b, m] int32: the first of the row's klen relative distances, as an index into them
+  blocked: jax.Array  # [b, m, klen] bool: the keys the row may not see (its position's perm_mask row)
+  seg_diff: jax.Array  # [b, m, klen] bool: keys in another segment than the row's position
+  valid: jax.Array  # [b, m] 0/1: rows of zeros in target_mapping are padding
+
+
+def predicted_rows(target_mapping, mask_g, seg_diff) -> PredictedRows:
+  """The rows of the full-length query-stream inputs at target_mapping's positions (one-hot rows or zeros)."""
+  positions = jnp.argmax(target_mapping, axis=-1)
+  qlen = target_mapping.shape[-1]
+  take = lambda x: jnp.take_along_axis(x, positions[..., None], axis=1)
+  # Position p sees distances mlen + p - j for keys j; index 0 of relative_encoding is distance klen.
+  return PredictedRows(starts=(qlen - 1 - positions).astype(jnp.int32), blocked=take(mask_g),
+                       seg_diff=take(seg_diff), valid=target_mapping.sum(-1) > 0)
 
 
 def segment_difference(segment_ids: jax.Array, mlen: int) -> jax.Array:
@@ -132,7 +191,7 @@ class RelativeAttention(nn.Module):
   config: XLNetConfig
 
   @nn.compact
-  def __call__(self, h, g, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic):
+  def __call__(self, h, g, mem, pos_emb, seg_diff, mask_h, rows, shared_biases, deterministic):
     cfg = self.config
     head_init = layers.with_axes(layers.default_kernel_init, ("embed", "heads", "kv"))
     shape = (cfg.d_model, cfg.n_head, cfg.d_head)
@@ -151,9 +210,9 @@ class RelativeAttention(nn.Module):
     key, value = project(keys_in, "k"), project(keys_in, "v")
     key_r = jnp.einsum("zrd,dnh->zrnh", pos_emb, weights["r"])
 
-    def attend(query, mask):
+    def attend(query, mask, seg_diff, shift):
       content = jnp.einsum("bind,bjnd->bnij", query + biases["r_w_bias"], key)
-      position = rel_shift(position_scores(query + biases["r_r_bias"], key_r), key.shape[1])
+      position = shift(position_scores(query + biases["r_r_bias"], key_r))
       segment = jnp.einsum("bind,snd->bnis", query + biases["r_s_bias"], seg_embed)
       segment = jnp.where(seg_diff[:, None], segment[..., 1:], segment[..., :1])
       scores = (content + position + segment).astype(jnp.float32) / jnp.sqrt(jnp.float32(cfg.d_head))
@@ -166,13 +225,14 @@ class RelativeAttention(nn.Module):
       out = drop(jnp.einsum("binh,dnh->bid", context, weights["o"]), deterministic=deterministic)
       return layers.constrain(norm(out + x), layers.BATCH_LENGTH_EMBED)
 
-    h_out = residual(h, attend(project(h, "q"), mask_h))
+    klen = key.shape[1]
+    h_out = residual(h, attend(project(h, "q"), mask_h, seg_diff, lambda scores: rel_shift(scores, klen)))
     if g is None:
       return h_out, None
-    # The query stream runs at full length: scatter its queries to their positions, gather back.
-    query_g = jnp.einsum("bmnd,bml->blnd", project(g, "q"), target_mapping)
-    context_g = jnp.einsum("blnd,bml->bmnd", attend(query_g, mask_g), target_mapping)
-    return h_out, residual(g, context_g)
+    # The query stream attends from its predicted positions only: each row's distances start elsewhere.
+    context_g = attend(project(g, "q"), rows.blocked, rows.seg_diff,
+                       lambda scores: shift_rows(scores[..., 1:], rows.starts, klen))
+    return h_out, residual(g, context_g * rows.valid[:, :, None, None].astype(context_g.dtype))
 
 
 class XLNetLayer(nn.Module):
@@ -184,12 +244,12 @@ class XLNetLayer(nn.Module):
   config: XLNetConfig
 
   @nn.compact
-  def __call__(self, streams, mem, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic):
+  def __call__(self, streams, mem, pos_emb, seg_diff, mask_h, rows, shared_biases, deterministic):
     cfg = self.config
     h, g = streams
     new_mem = cache_memory(h, mem, cfg.mem_len, cfg.reuse_len)
     h, g = RelativeAttention(cfg, name="rel_attn")(
-        h, g, mem.astype(cfg.dtype), pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases, deterministic)
+        h, g, mem.astype(cfg.dtype), pos_emb, seg_diff, mask_h, rows, shared_biases, deterministic)
     # x = LN(x + Dropout(FFN(x))), with dropout after the activation too, as the reference.
     position_wise = layers.PostLNFeedForwardBlock(cfg.d_inner, cfg.dropout_rate, cfg.dropout_rate,
                                                   cfg.layer_norm_eps, cfg.dtype, name="ff")
@@ -223,19 +283,19 @@ class XLNetLMHeadModel(nn.Module):
     drop = nn.Dropout(cfg.dropout_rate)
     word = layers.embedding(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), cfg.dtype, "word_embedding")
     h = layers.constrain(drop(word(input_ids), deterministic=deterministic), layers.BATCH_LENGTH_EMBED)
-    g, target_mapping = None, features.get("target_mapping")
+    g, rows, target_mapping = None, None, features.get("target_mapping")
     if target_mapping is not None:
       mask_emb = self.param("mask_emb", layers.with_axes(layers.default_kernel_init, (None, None, "embed")),
                             (1, 1, cfg.d_model), jnp.float32)
       g = jnp.broadcast_to(mask_emb.astype(cfg.dtype), (batch, target_mapping.shape[1], cfg.d_model))
       g = drop(g, deterministic=deterministic)
-      target_mapping = target_mapping.astype(cfg.dtype)
+      rows = predicted_rows(target_mapping, mask_g, seg_diff)
     pos_emb = relative_encoding(qlen, mlen + qlen, cfg.d_model, cfg.bi_data, cfg.clamp_len).astype(cfg.dtype)
     pos_emb = drop(pos_emb, deterministic=deterministic)
     shared_biases = None if cfg.untie_r else relative_biases(self, cfg)
 
     (h, g), new_mems = layers.layer_stack(
-        XLNetLayer, cfg.n_layer, (h, g), mems, pos_emb, seg_diff, mask_h, mask_g, target_mapping, shared_biases,
+        XLNetLayer, cfg.n_layer, (h, g), mems, pos_emb, seg_diff, mask_h, rows, shared_biases,
         deterministic=deterministic, scan=cfg.scan_layers, remat_policy=cfg.remat_policy, per_layer_args=(0,),
         stack_axis=1, config=cfg)
 

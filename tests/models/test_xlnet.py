@@ -198,3 +198,21 @@ def test_family_carries_memory_and_scores_targets(params):
   expected = -(picked * batch["target_weights"]).sum() / batch["target_weights"].sum()
   np.testing.assert_allclose(loss, expected, rtol=1e-5)
   assert set(metrics) == {"plm_loss", "plm_accuracy"}
+
+
+@pytest.mark.parametrize("columns,width", [(20, 9), (16, 9), (9, 9), (1407, 896)])
+def test_shift_rows_takes_each_rows_window_and_puts_the_gradient_back(columns, width):
+  """shift_rows (the query stream's per-row relative shift, in binary stages with its own gradient)
+  against a gather of each row's window; starts cover 0 and the largest allowed."""
+  import jax.numpy as jnp
+
+  from models.xlnet import shift_rows
+  scores = jax.random.normal(jax.random.key(0), (2, 3, 7, columns))
+  starts = jax.random.randint(jax.random.key(1), (2, 7), 0, columns - width + 1).at[0, :2].set(
+      jnp.array([0, columns - width]))
+  window = starts[:, None, :, None] + jnp.arange(width)
+  cotangent = jax.random.normal(jax.random.key(2), (2, 3, 7, width))
+  ours, ours_vjp = jax.vjp(lambda x: shift_rows(x, starts, width), scores)
+  gathered, gathered_vjp = jax.vjp(lambda x: jnp.take_along_axis(x, window, axis=-1), scores)
+  np.testing.assert_array_equal(ours, gathered)
+  np.testing.assert_array_equal(ours_vjp(cotangent)[0], gathered_vjp(cotangent)[0])

@@ -6,12 +6,14 @@
 For each family and size, builds our model exactly as pretrain.train does (the family fitted to a
 32000-piece vocabulary, `steps.make_setup` on a one-device CPU mesh, fp32, the default AdamW of
 gin_configs/runs/pretrain.gin with clipping at 1.0, `steps.jit_train_step`) and the transformers model
-of the same dimensions, built from its config through `pretrain.registry`'s mapping (random weights, no
-download): BertForPreTraining (MLM + NSP), AlbertForPreTraining (MLM + SOP), XLNetLMHeadModel
-(permutation LM: perm_mask, target_mapping, bi_data, memory) and BartForConditionalGeneration
-(denoising seq2seq), trained with torch.optim.AdamW (no decay on biases and LayerNorm, as ours), the
-gradients clipped to norm 1.0 and a linear schedule. Both take the same random batch of the objective's
-shapes, in train mode (dropout on), and a step is forward, backward and the optimizer's update.
+of the same dimensions, built from its config through `pretrain.registry`'s mapping and loaded with our
+initial weights (no download): BertForPreTraining (MLM + NSP), AlbertForPreTraining (MLM + SOP),
+XLNetLMHeadModel (permutation LM: perm_mask, target_mapping, bi_data, memory) and
+BartForConditionalGeneration (denoising seq2seq), trained with torch.optim.AdamW (decaying the weights
+ours decays), the gradients clipped to norm 1.0 and the same warmup and linear decay, on the loss our
+family computes (benchmarks/hf_reference.py builds both sides). Both take the same random batch of the
+objective's shapes, in train mode (dropout on), and a step is forward, backward and the optimizer's
+update.
 
 After `--warmup` steps of each (ours compiles in its first), the steps are timed interleaved, ours then
 theirs, `--repeats` times; prints the median tokens per second of each (input tokens of a batch:
@@ -30,7 +32,6 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Callable, Dict
 
 from pretrain import cli
 
@@ -145,90 +146,17 @@ def random_batch(family, batch_size: int, lengths, rng):
   return {name: batch[name].astype(spec.dtype) for name, spec in shapes.items()}
 
 
-def ours(family, lengths, batch_size: int, numpy_batch, device) -> Callable[[], float]:
-  """Our step as pretrain.train builds and runs it; returns a function that runs one step and gives its loss."""
-  import flax.linen as nn
-  import jax
-
-  from pretrain import optimizers, partitioning, steps
-  mesh = partitioning.make_mesh({"data": -1, "fsdp": 1, "model": 1}, devices=[device])
-  schedule = optimizers.warmup_linear_decay(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)
-  optimizer = optimizers.make_optimizer(schedule)  # the defaults of gin_configs/runs/pretrain.gin: adamw, clip 1.0
-  setup = steps.make_setup(family, lengths, batch_size, mesh, optimizer, schedule)
-  with mesh, nn.logical_axis_rules(setup.rules):
-    state = jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(0))
-    batch = partitioning.global_batch(numpy_batch, mesh)
-    step_fn = steps.jit_train_step(setup)
-  holder = {"state": state}
-
-  def step() -> float:
-    with mesh, nn.logical_axis_rules(setup.rules):
-      holder["state"], metrics = step_fn(holder["state"], batch)
-      jax.block_until_ready((holder["state"], metrics))
-    return float(metrics["loss"])
-
-  step.params = sum(x.size for x in jax.tree.leaves(state.params))
-  return step
-
-
-def hf_inputs(family, numpy_batch) -> Dict[str, object]:
-  """The transformers model's keyword arguments for the same batch and loss."""
-  import numpy as np
-  import torch
-  b = {name: torch.from_numpy(np.asarray(value)) for name, value in numpy_batch.items()}
-  if family.name in ("bert", "albert"):
-    labels = torch.full_like(b["input_ids"], -100, dtype=torch.long)  # MLM loss at the masked positions only
-    labels.scatter_(1, b["masked_positions"].long(), b["masked_ids"].long())
-    pair = {"bert": ("next_sentence_label", "nsp_label"), "albert": ("sentence_order_label", "sop_label")}[family.name]
-    return {"input_ids": b["input_ids"].long(), "token_type_ids": b["segment_ids"].long(),
-            "attention_mask": torch.ones_like(b["input_ids"]), "labels": labels, pair[0]: b[pair[1]].long()}
-  if family.name == "xlnet":
-    return {"input_ids": b["input_ids"].long(), "token_type_ids": b["segment_ids"].long(),
-            "perm_mask": b["perm_mask"], "target_mapping": b["target_mapping"], "labels": b["target_ids"].long()}
-  return {"input_ids": b["encoder_input_ids"].long(), "attention_mask": torch.ones_like(b["encoder_input_ids"]),
-          "decoder_input_ids": b["decoder_input_ids"].long(), "labels": b["decoder_target_ids"].long()}
-
-
-def theirs(family, batch_size: int, numpy_batch) -> Callable[[], float]:
-  """transformers' model of the same config (random init) with torch AdamW; one step per call, its loss back."""
-  import torch
-  import transformers
-
-  from pretrain import registry
-  mapping = registry.get(family.name).mapping
-  kwargs = dict(mapping.hf_config(family.config))
-  if family.name == "xlnet":
-    kwargs["use_mems_train"] = True  # return the memory in train mode too, as pretraining does
-  torch.manual_seed(0)
-  config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-  model = getattr(transformers, mapping.HF_CLASS)(config).train()
-  no_decay = lambda name: name.endswith("bias") or "LayerNorm" in name or "layer_norm" in name  # noqa: E731
-  parameters = list(model.named_parameters())
-  groups = [{"params": [p for n, p in parameters if not no_decay(n)], "weight_decay": 0.01},
-            {"params": [p for n, p in parameters if no_decay(n)], "weight_decay": 0.0}]
-  optimizer = torch.optim.AdamW(groups, lr=LEARNING_RATE, betas=(0.9, 0.999), eps=1e-6)
-  scheduler = torch.optim.lr_scheduler.LambdaLR(
-      optimizer, lambda s: min((s + 1) / WARMUP_STEPS, max(0.0, (TOTAL_STEPS - s) / (TOTAL_STEPS - WARMUP_STEPS))))
-  inputs = hf_inputs(family, numpy_batch)
-  # XLNet: memory as our family carries it, starting from zeros of mem_len (HF's layout: [mlen, batch, d]
-  # per layer), each step's new memory (detached by the model) fed to the next.
-  cfg = family.config
-  holder = {"mems": [torch.zeros(cfg.mem_len, batch_size, cfg.d_model) for _ in range(cfg.n_layer)]
-            if family.name == "xlnet" else None}
-
-  def step() -> float:
-    optimizer.zero_grad(set_to_none=True)
-    extra = {"mems": holder["mems"]} if holder["mems"] is not None else {}
-    out = model(**inputs, **extra)
-    out.loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    scheduler.step()
-    if holder["mems"] is not None:
-      holder["mems"] = list(out.mems)
-    return out.loss.item()
-
-  return step
+def ours_and_theirs(family, lengths, batch_size: int, numpy_batch, device):
+  """Our step as pretrain.train builds and runs it, and transformers' from the same initial weights: two
+  functions that each run one step on the batch and give its loss; ours has `.params`."""
+  from hf_reference import AdamWSettings, HFTrainer, OurTrainer
+  settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)  # the defaults of gin_configs/runs/pretrain.gin
+  our_trainer = OurTrainer(family, lengths, batch_size, settings, device)
+  their_trainer = HFTrainer(family, batch_size, settings, our_trainer.numpy_params())
+  batch = our_trainer.device_batch(numpy_batch)
+  our_step = lambda: our_trainer.step(batch)["loss"]
+  our_step.params = our_trainer.num_params
+  return our_step, lambda: their_trainer.step(numpy_batch)["loss"]
 
 
 def compare(name: str, size_name: str, args, device) -> dict:
@@ -241,8 +169,7 @@ def compare(name: str, size_name: str, args, device) -> dict:
   family, objective, lengths = family_and_lengths(name, size)
   family = family.fit_to_data(VOCAB_SIZE, objective, lengths)  # as trainer.fitted_family does with the task
   numpy_batch = random_batch(family, size.batch, lengths, np.random.default_rng(0))
-  our_step = ours(family, lengths, size.batch, numpy_batch, device)
-  their_step = theirs(family, size.batch, numpy_batch)
+  our_step, their_step = ours_and_theirs(family, lengths, size.batch, numpy_batch, device)
   start = time.perf_counter()
   our_step()
   compile_seconds = time.perf_counter() - start
@@ -298,4 +225,6 @@ def main():
 if __name__ == "__main__":
   os.environ["JAX_PLATFORMS"] = "cpu"  # the comparison is on the CPU, whatever accelerator is attached
   cli.start(sys.argv, make_parser().format_help())
+  # benchmarks/ is not a package: its scripts import their shared module by name, from their own directory.
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   main()

@@ -26,6 +26,8 @@ def warmup_linear_decay(peak_learning_rate: float, warmup_steps: int, total_step
 
 
 def _is_matrix_or_embedding(path) -> bool:
+  # Only leaves named "bias" are biases: XLNet's attention biases (r_w_bias, r_r_bias, r_s_bias) are
+  # decayed, as the reference's include_in_weight_decay does (zihangdai/xlnet model_utils.py).
   return getattr(path[-1], "key", None) not in ("bias", "scale")
 
 

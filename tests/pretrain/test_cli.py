@@ -76,6 +76,7 @@ PROGRAMS = {
     "launch.local": "--num_processes", "launch.tpu": "--accelerator_type",
     "benchmarks/input_pipeline.py": "--step_seconds", "benchmarks/checkpoint_checksums.py": "--millions",
     "benchmarks/plan_xlnet_large_v3_512.py": "--gin.KEY=VALUE", "benchmarks/train_step.py": "--repeats",
+    "benchmarks/convergence.py": "--eval_every",
 }
 GIN_PROGRAMS = ("pretrain.train", "pretrain.plan", "benchmarks/input_pipeline.py",
                 "benchmarks/plan_xlnet_large_v3_512.py")

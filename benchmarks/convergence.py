@@ -92,6 +92,11 @@ def parse(argv):
   if args.eval_every < 1 or args.eval_batches < 1 or args.parity_steps < 0 or (args.steps is not None
                                                                                 and args.steps < 1):
     parser.error("--eval_every, --eval_batches and --steps must be >= 1, --parity_steps >= 0")
+  if args.plot:
+    try:
+      import matplotlib  # noqa: F401  (checked before minutes of training, not after)
+    except ImportError:
+      parser.error(f"--plot={args.plot} needs matplotlib: pip install -e '.[benchmarks]', or give --plot=''")
   return bindings, args
 
 

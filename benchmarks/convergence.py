@@ -30,9 +30,9 @@ Plots train loss (a moving average over 10 steps) and eval loss against steps, o
 panel per family, to `--plot`. `--gin.KEY=VALUE` bindings apply to every family's run file, after
 its own settings. No network: the demo corpus is built from the Python standard library.
 
-BERT-mini (4 layers, hidden 256) for longer, to show MLM accuracy well above the unigram level (not
-run yet; an estimate from the tiny run's step times: about 30 minutes for ours on 2 idle CPUs, as
-long again for HF):
+BERT-mini (4 layers, hidden 256) for longer, against HF (not run yet: ours alone takes 1.0 s per step
+on 2 CPUs, so about 50 minutes, and HF as long again; ours alone for 1500 steps is in the README,
+"Trains as well as the reference"):
   python benchmarks/convergence.py --families=bert --steps=3000 --eval_every=300 --eval_batches=10 \\
       --parity_steps=0 --plot=/tmp/bert_mini.png --gin.WARMUP_STEPS=300 --gin.bert.BertConfig.num_layers=4 \\
       --gin.bert.BertConfig.hidden_size=256 --gin.bert.BertConfig.num_heads=4 --gin.bert.BertConfig.mlp_dim=1024

@@ -6,6 +6,7 @@ Activation axes: activation_batch, activation_length, activation_embed, activati
 activation_kv, activation_mlp, activation_vocab. `pretrain/partitioning.py` maps both onto the
 mesh; a model never names a mesh axis itself.
 """
+import functools
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -96,6 +97,29 @@ def causal_bias(length: int, dtype: Dtype = jnp.float32) -> jax.Array:
   return jnp.where(allowed, 0.0, jnp.finfo(dtype).min).astype(dtype)[None, None]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def softmax(scores: jax.Array, dtype: Dtype) -> jax.Array:
+  """Softmax over the last axis of fp32 scores, returned in `dtype`, which is also all the backward pass keeps.
+
+  jax.nn.softmax would keep its fp32 output for the gradient: with bf16 compute that is twice the bytes
+  of the largest activation of attention, written and read once per layer.
+  """
+  return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def _softmax_forward(scores, dtype):
+  probs = softmax(scores, dtype)
+  return probs, probs
+
+
+def _softmax_backward(dtype, probs, grad):
+  probs, grad = probs.astype(jnp.float32), grad.astype(jnp.float32)
+  return (probs * (grad - jnp.sum(grad * probs, axis=-1, keepdims=True)),)
+
+
+softmax.defvjp(_softmax_forward, _softmax_backward)
+
+
 class MultiHeadAttention(nn.Module):
   """Scaled dot-product attention with biased q/k/v/o projections (BERT, ALBERT, BART)."""
   num_heads: int
@@ -115,7 +139,7 @@ class MultiHeadAttention(nn.Module):
     # Bias and softmax in fp32: bf16 loses too much in the normaliser, and the fp32 "masked" bias
     # would round to -inf in bf16, turning fully masked (padding) rows into NaN.
     scores = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32) + bias.astype(jnp.float32)
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    probs = softmax(scores, self.dtype)
     probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
     context = constrain(jnp.einsum("bhqk,bkhd->bqhd", probs, value), BATCH_LENGTH_HEADS_KV)
     output = dense(inputs_q.shape[-1], ("heads", "kv"), ("embed",), axis=(-2, -1), dtype=self.dtype,

@@ -38,7 +38,7 @@ class XLNetFamily(Family):
   def initial_carry(self, batch_size):
     # Batch leads, as in every carry: the trainer splits carries by rows for gradient accumulation.
     cfg = self.config
-    return {"mems": jnp.zeros((batch_size, cfg.n_layer, cfg.mem_len, cfg.d_model), jnp.float32)}
+    return {"mems": jnp.zeros((batch_size, cfg.n_layer, cfg.mem_len, cfg.d_model), cfg.dtype)}
 
   def bi_data(self):
     return self.config.bi_data

@@ -1,13 +1,13 @@
 """Multi-process training on CPU (launch.local): two processes train like one at the same global batch,
 only process 0 reports; a preemption notice to one process makes both save the step they agree on and
-exit 0; after one process is killed both resume exactly from the last checkpoint; one process continues
-what two saved, data position included.
+exit 0, and both resume there; after one process is killed, the last checkpoint continues exactly, data
+position included, on one process.
 
 One two-process run serves all the tests: it trains until process 1 gets SIGTERM, resumes, and trains
-on until process 1 is killed after the next periodic checkpoint; a one-process run resumes a copy.
+on until process 1 is killed after the next periodic checkpoint. The reference run and the resume
+after the kill train in this process, on its one device.
 """
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -17,7 +17,7 @@ import gin
 import numpy as np
 import pytest
 
-from helpers import host_devices, logged_losses, module_command, run_module, start_module
+from helpers import logged_losses, module_command, run_module, start_module
 from pretrain import cli
 from pretrain import train as train_program
 
@@ -30,11 +30,19 @@ RUN = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_bindings=bert.Be
        "--gin.BATCH_SIZE=8", "--gin.LEARNING_RATE=2e-3", "--gin.WARMUP_STEPS=5", "--gin.EVAL_EVERY_STEPS=0",
        "--gin.LOG_EVERY_STEPS=1", "--gin.CHECKPOINT_EVERY_STEPS=5", "--gin.DATA_SHARDS=2",
        "--gin.MESH_SHAPE={'data': 4}"]
-RTOL = 1e-5  # two processes all-reduce across gloo in another order than one process's devices
+RTOL = 2e-5  # one device sums in another order than two processes of two (test_trainer's one versus eight)
 
 
 def train_args(model_dir, steps):
   return [*RUN, f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}"]
+
+
+def train_here(model_dir, steps):
+  """`python -m pretrain.train` in this process, on its one device, with the schedule of TRAIN_STEPS."""
+  gin.clear_config()
+  cli.run("pretrain.train", lambda: train_program.main(
+      ["pretrain.train", *train_args(model_dir, steps), "--gin.MESH_SHAPE={'data': 1}",
+       f"--gin.optimizers.warmup_linear_decay.total_steps={TRAIN_STEPS}"]))
 
 
 def two_processes(model_dir, steps):
@@ -54,10 +62,9 @@ def progress_lines(lines):
 
 @pytest.fixture(scope="module")
 def one_process_losses(tmp_path_factory):
-  """The uninterrupted reference: one process with 4 devices."""
+  """The uninterrupted reference."""
   model_dir = tmp_path_factory.mktemp("one_process")
-  result = run_module("pretrain.train", *train_args(model_dir, TRAIN_STEPS), env=host_devices(4))
-  assert result.returncode == 0, result.stderr[-3000:]
+  train_here(model_dir, TRAIN_STEPS)
   return logged_losses(model_dir)
 
 
@@ -114,11 +121,9 @@ def interrupted_run(tmp_path_factory):
   model_dir = tmp_path_factory.mktemp("two_processes")
   preempted = _preempted(model_dir)
   killed = _killed(model_dir, after_checkpoint=max(preempted["checkpoints"], default=0))
-  as_killed = tmp_path_factory.mktemp("as_killed") / "run"  # a test resumes model_dir itself
-  shutil.copytree(model_dir, as_killed)
   return {"model_dir": model_dir, "preempted": preempted, "output": preempted["output"] + killed["output"],
           "returncode": killed["returncode"], "killed_output": killed["output"],
-          "losses": logged_losses(model_dir), "latest": killed["latest"], "as_killed": as_killed}
+          "losses": logged_losses(model_dir), "latest": killed["latest"]}
 
 
 def test_sigterm_to_one_process_makes_both_save_one_step_and_exit_0(interrupted_run):
@@ -142,33 +147,18 @@ def test_two_processes_train_like_one_and_only_process_0_reports(interrupted_run
   assert (iterators / "shard_0_of_2.index").exists() and (iterators / "shard_1_of_2.index").exists()
 
 
-def test_after_a_killed_process_both_resume_from_the_last_checkpoint_exactly(interrupted_run, one_process_losses):
+def test_after_a_killed_process_the_last_checkpoint_continues_exactly_on_one_process(interrupted_run,
+                                                                                      one_process_losses):
+  """Params, optimizer state and the data position saved by two processes of two devices, one of them
+  then killed, resume on one process of one device (the same DATA_SHARDS): the next steps' losses are
+  the uninterrupted run's."""
   assert interrupted_run["returncode"] != 0 and "process 1 exited" in interrupted_run["killed_output"]
-  assert max(interrupted_run["losses"]) < TRAIN_STEPS, "process 1 was killed after the run had finished"
   model_dir, latest = interrupted_run["model_dir"], interrupted_run["latest"]
-  resumed = run_module("launch.local", *two_processes(model_dir, TRAIN_STEPS))
-  assert resumed.returncode == 0, resumed.stdout[-3000:]
-  assert f"resumed from step {latest}" in "\n".join(lines_of(resumed.stdout, 0))
-  assert progress_lines(lines_of(resumed.stdout, 1)) == []
+  steps = range(latest + 1, latest + 4)
+  assert steps[-1] <= TRAIN_STEPS, "process 1 was killed too late"
+  train_here(model_dir, steps[-1])
   losses = logged_losses(model_dir)
-  steps = range(1, TRAIN_STEPS + 1)
   np.testing.assert_allclose([losses[s] for s in steps], [one_process_losses[s] for s in steps], rtol=RTOL)
-
-
-def test_a_resume_on_one_process_continues_the_two_processes_run_exactly(interrupted_run, one_process_losses, tmp_path):
-  """Params, optimizer state and the data position saved by two processes of two devices resume on one
-  process of one device: the next steps' losses are the uninterrupted run's (the same DATA_SHARDS)."""
-  model_dir = tmp_path / "run"
-  shutil.copytree(interrupted_run["as_killed"], model_dir)
-  latest = interrupted_run["latest"]
-  steps = range(latest + 1, latest + 4)  # the kill came before TRAIN_STEPS, at a checkpoint 5 steps apart
-  gin.clear_config()
-  cli.run("pretrain.train", lambda: train_program.main(
-      ["pretrain.train", *train_args(model_dir, steps[-1]), "--gin.MESH_SHAPE={'data': 1}",
-       f"--gin.optimizers.warmup_linear_decay.total_steps={TRAIN_STEPS}"]))  # the schedule of the reference
-  losses = logged_losses(model_dir)
-  # One device sums in another order than four: the tolerance of test_trainer's one-versus-eight devices.
-  np.testing.assert_allclose([losses[s] for s in steps], [one_process_losses[s] for s in steps], rtol=2e-5)
 
 
 XLNET_BINDINGS = [

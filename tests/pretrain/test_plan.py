@@ -1,18 +1,36 @@
 """pretrain.plan compiles the training step for a TPU topology and reports sane figures; a step too big
-for the chip exits with the compiler's out-of-memory line."""
-import re
+for the chip exits with the compiler's out-of-memory line.
 
+The plans run in this process, as `python -m pretrain.plan` runs them (libtpu compiles for the described
+topology and opens no TPU): a subprocess would spend a third of each plan importing."""
+import contextlib
+import io
+import os
+import re
+import subprocess
+from unittest import mock
+
+import gin
 import pytest
 
-from helpers import run_module
+from pretrain import cli, plan
 
 RUN = "gin_configs/runs/bert_tiny_demo.gin"
 V3_USABLE_GIB = 15.48  # per TensorCore, the compiler's own limit (its out-of-memory message)
 V3_ICI_PER_CORE = 340e12 / 1024 / 2  # bytes/s: Cloud's all-reduce bandwidth per v3 Pod, per chip, per TensorCore
 
 
-def run_plan(*args, run=RUN):
-  return run_module("pretrain.plan", f"--gin_file={run}", "--topology=v3:2x2", *args, timeout=300)
+def run_plan(*args, run=RUN) -> subprocess.CompletedProcess:
+  argv = ["pretrain.plan", f"--gin_file={run}", "--topology=v3:2x2", *args]
+  stdout, stderr, returncode = io.StringIO(), io.StringIO(), 0
+  gin.clear_config()
+  with mock.patch.dict(os.environ), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    try:
+      cli.run("pretrain.plan", lambda: plan.main(argv))
+    except SystemExit as e:
+      returncode = e.code
+  gin.clear_config()
+  return subprocess.CompletedProcess(argv, returncode, stdout.getvalue(), stderr.getvalue())
 
 
 def figure(pattern, text):

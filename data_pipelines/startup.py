@@ -9,12 +9,15 @@ it for the gin programs); importing it does the following, once per process:
 - `TF_CPP_MIN_LOG_LEVEL=1` unless set: TensorFlow's C++ INFO lines ("This TensorFlow binary is
   optimized to use available CPU instructions ... rebuild TensorFlow with the appropriate compiler
   flags", "Local rendezvous is aborting ... End of sequence") are not shown; its warnings and errors are.
-- TensorFlow's CUDA build logs while it loads and while it looks for a GPU, before absl's logging is
-  set up, so no log level hides those lines: "WARNING: All log messages before absl::InitializeLog() is
-  called are written to STDERR", "cudart_stub.cc] Could not find cuda drivers on your machine, GPU will
-  not be used" and "cuda_platform.cc] failed call to cuInit" (that one is about TensorFlow's GPU, which
-  it is not given anyway). The import runs with stderr (file descriptor 2) going to a temporary file;
-  afterwards every other line in it is written to stderr, so a real error still shows.
+- TensorFlow logs while it loads and while it looks for a GPU, before absl's logging is set up, so no
+  log level hides those lines: "WARNING: All log messages before absl::InitializeLog() is called are
+  written to STDERR", INFO lines (`I0000 ...`) such as "cudart_stub.cc] Could not find cuda drivers on
+  your machine, GPU will not be used" and, twice where TensorFlow turns oneDNN on (CPUs with AVX-512
+  VNNI and newer, or TF_ENABLE_ONEDNN_OPTS=1), "port.cc] oneDNN custom operations are on" (only the
+  line goes: oneDNN stays as TensorFlow sets it), and "cuda_platform.cc] failed call to cuInit" (about
+  TensorFlow's GPU, which it is not given anyway). The import runs with stderr (file descriptor 2) going
+  to a temporary file; afterwards every other line in it (warnings, errors) is written to stderr, so a
+  real error still shows.
 - With libtpu installed (the `tpu` extra) JAX tries the TPU before the CPU, and on a machine without
   one libtpu prints errors about TPU hostnames ("Failed to find host bounds for accelerator type",
   "common_lib.cc] INVALID_ARGUMENT: Error: unexpected worker hostname") before JAX falls back to the
@@ -41,7 +44,7 @@ from absl import app
 
 _START_UP_LINES = re.compile(
     r"WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
-    r"|cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, GPU will not be used\."
+    r"|^I\d{4} [\d:.]+ +\d+ [\w.]+:\d+\] "  # an INFO line of absl's format: I<mmdd> <time> <thread> <file:line>]
     r"|cuda_platform\.cc:\d+\] failed call to cuInit: ")
 _GOOGLE_PCI_VENDOR = "0x1ae0"
 _GPU_DEVICE_NODES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA, AMD, WSL2

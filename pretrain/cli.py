@@ -1,18 +1,22 @@
 """Shared command-line plumbing: T5X-style gin flags and their --help, gin-bound arguments, one-line errors."""
 import copy
+import difflib
 import inspect
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import gin
+from gin import config_parser
 
 from pretrain.errors import USER_ERRORS, ConfigError, one_line, user_settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _UNSET_ARGUMENT = "No values supplied by Gin or caller for arguments"  # gin's words for a missing binding
+_RUN = "pretrain.trainer.train"  # what every program's gin files describe a call of
+_MACRO = "gin.macro"  # gin holds `NAME = value` as the binding NAME/gin.macro.value
 
 GIN_FLAGS = """\
   --gin_file=FILE             a gin file: a run (gin_configs/runs/*.gin), then any others; may repeat,
@@ -94,9 +98,116 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str]) -> None:
     if not any((Path(base) / f).exists() for base in ("", PROJECT_ROOT)):
       raise ConfigError(f"--gin_file={f}: no such file")
   try:
-    gin.parse_config_files_and_bindings(list(files), list(bindings), finalize_config=False)
+    gin.parse_config_files_and_bindings(list(files), None, finalize_config=False)
+    read_in_files = _macros_in(gin.config._CONFIG)  # a command-line binding may replace a file's reader
+    gin.parse_config(list(bindings))
   except (ValueError, SyntaxError) as e:  # an unknown configurable or parameter, a malformed binding
     raise ConfigError(one_line(e)) from e
+  _refuse_unread_settings(bindings, read_in_files)
+
+
+Key = Tuple[str, str, str]  # a binding: (scope, configurable's selector, parameter)
+
+
+def _refuse_unread_settings(command_line: Sequence[str], read_in_files: Set[Tuple[str, str]]) -> None:
+  """Gin refuses unknown configurables and parameters but accepts a setting nothing reads. Refused here,
+  before anything runs (T5X only logs its operative config afterwards): a command-line binding that
+  calling _RUN would not read, and a macro no binding references. A gin file's binding that the run
+  does not read stays allowed: files hold defaults for alternatives (data/text_files.gin's TRAIN_FILES
+  when data/tfds.gin replaces the task), and `read_in_files` (macros the files' bindings reference,
+  some since replaced from the command line) count as read."""
+  config = gin.config._CONFIG
+  if ("", _RUN) not in config:  # no run described: bound_arguments says which file to include
+    return
+  read = _bindings_the_run_reads()
+  for text in command_line:
+    for key in _binding_keys(text):
+      if key not in read:
+        raise ConfigError(f"{text.strip()}: {_unread(key, read)}")
+  referenced = read_in_files | _macros_in(config)
+  for key in _bindings():
+    if key[1] == _MACRO and key[:2] not in referenced:
+      raise ConfigError(f"in a gin file: {_unread(key, read)}")
+
+
+def _unread(key: Key, read: Set[Key]) -> str:
+  """Why nothing reads the binding `key`, with the macros the run does read that it may have meant."""
+  scope, selector, _ = key
+  if selector != _MACRO:
+    return f"the run never calls {_configurable_name(scope, selector)}"
+  readers = [_binding_name(k) for k in _bindings() if key[:2] in _macros_in(gin.config._CONFIG[k[:2]][k[2]])]
+  if readers:  # set for an alternative the run's files do not choose, e.g. TRAIN_FILES with data/tfds.gin
+    return f"no setting reads the macro {scope}: only {', '.join(readers)}, a binding this run does not use"
+  similar = _similar(scope, {k[0] for k in read if k[1] == _MACRO})
+  return f"no setting reads the macro {scope}" + (f"; similar macros the run reads: {', '.join(similar)}"
+                                                 if similar else "")
+
+
+def _bindings_the_run_reads() -> Set[Key]:
+  """Every binding a call of _RUN would read, found as gin calls: a configurable called in scope S takes the
+  bindings of S and of its outer scopes (the innermost wins), and calls what they reference in the scope
+  the reference names (a macro's is its name), else in S."""
+  config, read, done, calls = gin.config._CONFIG, set(), set(), [((), _RUN)]
+  while calls:
+    call = calls.pop()
+    if call in done:
+      continue
+    done.add(call)
+    scope, selector = call
+    source = {}
+    for depth in range(len(scope) + 1):
+      outer = ("/".join(scope[:depth]), selector)
+      source.update(dict.fromkeys(config.get(outer, ()), outer))
+    for param, (bound_scope, _) in source.items():
+      read.add((bound_scope, selector, param))
+      calls += [(tuple(ref.scopes) or scope, ref.configurable.selector)
+                for ref in gin.config.iterate_references(config[bound_scope, selector][param])]
+  return read
+
+
+def _bindings() -> Iterator[Key]:
+  return ((scope, selector, param) for (scope, selector), params in gin.config._CONFIG.items() for param in params)
+
+
+def _macros_in(value) -> Set[Tuple[str, str]]:
+  return {ref.config_key for ref in gin.config.iterate_references(value) if ref.configurable.selector == _MACRO}
+
+
+class _KeysOnly(config_parser.ParserDelegate):
+  """Parses bindings for their keys only: gin itself has parsed their values."""
+
+  def configurable_reference(self, scoped_configurable_name, evaluate):
+    return None
+
+  def macro(self, macro_name):
+    return None
+
+
+def _binding_keys(text: str) -> Iterator[Key]:
+  """The bindings `text` (gin's syntax) sets."""
+  for statement in config_parser.ConfigParser(text, _KeysOnly()):
+    if not isinstance(statement, config_parser.BindingStatement):
+      continue
+    if not statement.arg_name:  # `NAME = value` or `scope/NAME = value`: a macro
+      yield "/".join(filter(None, (statement.scope, statement.selector))), _MACRO, "value"
+    else:
+      yield gin.config.ParsedBindingKey.parse(statement[:3]).scope_selector_arg
+
+
+def _configurable_name(scope: str, selector: str) -> str:
+  """A configurable as gin files name it, e.g. books/tasks.text_task."""
+  return f"{scope + '/' if scope else ''}{gin.config._REGISTRY.minimal_selector(selector)}"
+
+
+def _binding_name(key: Key) -> str:
+  return f"{_configurable_name(*key[:2])}.{key[2]}"
+
+
+def _similar(name: str, names: Set[str]) -> List[str]:
+  """Up to three of `names` that share a word with `name` or are spelled much like it, closest first."""
+  words = set(name.split("_"))
+  alike = {n for n in names if words & set(n.split("_"))} | set(difflib.get_close_matches(name, names, cutoff=0.6))
+  return sorted(alike, key=lambda n: -difflib.SequenceMatcher(None, name, n).ratio())[:3]
 
 
 def bound_arguments(fn: Callable, names: Optional[Sequence[str]] = None) -> dict:

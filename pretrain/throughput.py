@@ -10,9 +10,17 @@ import contextlib
 import time
 from typing import Dict, Optional
 
+from data_pipelines import tasks
 from pretrain import plan
 
 INPUT_WAIT_WARNING = 0.05  # above this share of the time, the input rather than the devices may set the pace
+# What makes a host's input faster depends on how it reads: seqio data shards, or one pipeline over the
+# row streams of a token file (XLNet), which DATA_SHARDS does not split (XLNet refuses it).
+SHARDS_ADVICE = ("Give each host more data shards to read in parallel (DATA_SHARDS, a multiple of the process "
+                 "count) or faster storage")
+ROW_STREAMS_ADVICE = ("Each host reads its rows' streams of one token file in one pipeline (DATA_SHARDS does not "
+                      "apply): put the token files (TOKEN_DIR, from python -m data_pipelines.tokenize) on faster "
+                      "storage, or give each host more CPU cores (its examples are made in parallel)")
 
 
 def mfu(model_flops_per_step: float, step_seconds: float, devices: int, peak_flops_per_device: float) -> float:
@@ -36,6 +44,8 @@ class Throughput:
     # Traced once (no compile), and only where there is a peak to compare it with.
     self.model_flops_per_step = plan.model_flops_per_step(setup) if self.peak_flops_per_device else None
     self._input_over_threshold = False
+    reads_row_streams = any(tasks.OBJECTIVES[objective].stream_reading for objective in setup.family.objectives)
+    self._input_advice = ROW_STREAMS_ADVICE if reads_row_streams else SHARDS_ADVICE
     self._start_window(start_step)
 
   def _start_window(self, step: int) -> None:
@@ -65,6 +75,5 @@ class Throughput:
     if not over or was_over:
       return None
     return (f"warning: the train loop waited for input {input_wait:.0%} of the time up to step {step} (over "
-            f"{INPUT_WAIT_WARNING:.0%}): the devices may idle. Give each host more data shards to read in parallel "
-            "(DATA_SHARDS, a multiple of the process count) or faster storage; time one host's input with "
+            f"{INPUT_WAIT_WARNING:.0%}): the devices may idle. {self._input_advice}; time one host's input with "
             "benchmarks/input_pipeline.py")

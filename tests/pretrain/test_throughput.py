@@ -6,6 +6,9 @@ import numpy as np
 import pytest
 
 from pretrain import plan, throughput
+from pretrain.families.bart import BartFamily
+from pretrain.families.bert import BertFamily
+from pretrain.families.xlnet import XLNetFamily
 
 
 def device(kind, num_cores=1):
@@ -49,13 +52,15 @@ class Clock:
     return self.now
 
 
-def eight_devices(monkeypatch, kind, model_flops_per_step):
-  """A Throughput over 8 devices of `kind` from step 10, batch 32 × 128 tokens, on a clock the test turns."""
+def eight_devices(monkeypatch, kind, model_flops_per_step, family=None):
+  """A Throughput of `family` over 8 devices of `kind` from step 10, batch 32 × 128 tokens, on a clock the
+  test turns."""
   clock = Clock()
   monkeypatch.setattr(throughput.time, "perf_counter", clock)
   monkeypatch.setattr(plan, "model_flops_per_step", model_flops_per_step)
   mesh = SimpleNamespace(size=8, devices=np.array([device(kind)] * 8))
-  return throughput.Throughput(SimpleNamespace(mesh=mesh), batch_size=32, tokens_per_step=4096, start_step=10), clock
+  setup = SimpleNamespace(mesh=mesh, family=family or BertFamily())
+  return throughput.Throughput(setup, batch_size=32, tokens_per_step=4096, start_step=10), clock
 
 
 def test_a_window_gives_step_time_rates_mfu_and_input_wait(monkeypatch):
@@ -84,5 +89,16 @@ def test_the_input_warning_comes_once_while_the_wait_stays_high(monkeypatch):
   warnings = [meter.input_warning(step, wait) for step, wait in
               [(100, 0.01), (200, 0.2), (300, 0.3), (400, 0.02), (500, 0.08)]]
   assert [w is not None for w in warnings] == [False, True, False, False, True]
-  assert "20% of the time up to step 200" in warnings[1] and "DATA_SHARDS" in warnings[1]
-  assert "benchmarks/input_pipeline.py" in warnings[1]
+  assert "20% of the time up to step 200" in warnings[1] and "benchmarks/input_pipeline.py" in warnings[1]
+
+
+@pytest.mark.parametrize("family, advice, not_advice", [
+    (BertFamily(), "more data shards to read in parallel (DATA_SHARDS", "TOKEN_DIR"),
+    (BartFamily(), "more data shards to read in parallel (DATA_SHARDS", "TOKEN_DIR"),
+    # XLNet refuses DATA_SHARDS: each host reads its rows' streams of one token file
+    (XLNetFamily(), "token files (TOKEN_DIR", "more data shards"),
+])
+def test_the_input_warning_advises_what_the_family_can_change(monkeypatch, family, advice, not_advice):
+  meter, _ = eight_devices(monkeypatch, "cpu", None, family)
+  warning = meter.input_warning(100, 0.07)
+  assert advice in warning and not_advice not in warning, warning

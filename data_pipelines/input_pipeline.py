@@ -16,14 +16,14 @@ With `bi_data`, odd rows read the text of the row before them right to left.
 """
 import json
 import os
-from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set
 
 import jax
 import numpy as np
 import seqio
 import tensorflow as tf
 
-from data_pipelines import sources, storage, tasks
+from data_pipelines import example_check, sources, storage, tasks
 from data_pipelines.feature_converters import FixedShapeFeatureConverter
 from data_pipelines.row_streams import RowStreams
 from data_pipelines.token_files import TokenFile
@@ -37,7 +37,7 @@ class InputPipeline:
   def __init__(self, task_name: str, feature_lengths: Mapping[str, int], global_batch_size: int,
                model_features, data_parallel_groups: int = 1, seed: int = 0, num_data_shards: Optional[int] = None,
                bi_data: bool = False, process_index: Optional[int] = None,
-               process_count: Optional[int] = None):
+               process_count: Optional[int] = None, first_example_seconds: float = example_check.FIRST_EXAMPLE_SECONDS):
     self.task = tasks.get_task_or_mixture(task_name)
     if isinstance(self.task, seqio.Mixture) and tasks.continues_across_examples(self.task):
       raise ValueError(f"mixture {task_name!r} mixes tasks whose examples continue one text stream (XLNet): "
@@ -67,6 +67,8 @@ class InputPipeline:
     if bi_data and global_batch_size % 2:
       raise ValueError(f"bi_data pairs forward and backward rows: BATCH_SIZE={global_batch_size} must be even")
     self._token_files: Dict[str, TokenFile] = {}
+    self.first_example_seconds = first_example_seconds
+    self._checked_splits: Set[str] = set()
     if self.process_index == 0 and not self.reads_streams:
       self._warn_if_shards_reread("train")
 
@@ -94,16 +96,33 @@ class InputPipeline:
               f"the text into {self.num_data_shards} files: "
               f"python -m data_pipelines.split_text --num_files={self.num_data_shards}")
 
+  def _data_shards(self) -> List[seqio.ShardInfo]:
+    first = self.process_index * self.shards_per_process
+    return [seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
+            for index in range(first, first + self.shards_per_process)]
+
+  def check_examples(self, split: str, say=print) -> None:
+    """Raises example_check.NoExamples if this process's share of `split` makes no example, instead of
+    reading it forever; a stream task's token file is opened (tokenized first if it is not yet). Once
+    per split."""
+    if split in self._checked_splits:
+      return
+    if self.reads_streams:
+      self._token_file(split, say)
+    else:
+      for shard in self._data_shards():
+        tasks.check_examples(self.task, split, shard, self.first_example_seconds)
+    self._checked_splits.add(split)
+
   def shard_datasets(self, split: str, shuffle: bool) -> Dict[int, tf.data.Dataset]:
     """Data shard index -> batches of its rows, repeated, for each data shard this process reads."""
     rows_per_shard = self.host_batch_size // self.shards_per_process
-    datasets, first = {}, self.process_index * self.shards_per_process
-    for index in range(first, first + self.shards_per_process):
-      shard = seqio.ShardInfo(index=index, num_shards=self.num_data_shards)
-      shard_seed = int(np.random.SeedSequence((self.seed, index)).generate_state(1)[0])
+    datasets = {}
+    for shard in self._data_shards():
+      shard_seed = int(np.random.SeedSequence((self.seed, shard.index)).generate_state(1)[0])
       ds = tasks.get_dataset(self.task, self.feature_lengths, features=self.converter.model_features, split=split,
                              shuffle=shuffle, num_epochs=None, shard_info=shard, seed=shard_seed)
-      datasets[index] = self.converter(ds, self.feature_lengths).batch(rows_per_shard, drop_remainder=True)
+      datasets[shard.index] = self.converter(ds, self.feature_lengths).batch(rows_per_shard, drop_remainder=True)
     return datasets
 
   def stream_batches(self, split: str, first_step: int, say=print) -> tf.data.Dataset:
@@ -122,10 +141,10 @@ class InputPipeline:
     return self._token_files[split]
 
   def iterator(self, split: str = "train", say=print):
-    """This process's batches, read on, in an iterator whose position can be saved and restored. A stream
-    task's token file is opened (tokenized first if it is not yet) here, not at the first batch."""
+    """This process's batches, read on, in an iterator whose position can be saved and restored. The input
+    is checked here, not at the first batch (`check_examples`)."""
+    self.check_examples(split, say)
     if self.reads_streams:
-      self._token_file(split, say)
       return StepIterator(lambda first_step: self.stream_batches(split, first_step, say).prefetch(2),
                           write=self.process_index == 0)
     datasets = self.shard_datasets(split, shuffle=True)
@@ -133,6 +152,7 @@ class InputPipeline:
 
   def take(self, split: str, num_batches: int):
     """The same first `num_batches` batches every call: a fixed held-out set for evaluation."""
+    self.check_examples(split)
     if self.reads_streams:
       yield from self.stream_batches(split, 0).take(num_batches).as_numpy_iterator()
       return
@@ -143,10 +163,12 @@ class InputPipeline:
 
 def task_examples(task, feature_lengths: Mapping[str, int], split: str, seed: int = 0,
                   say=print) -> tf.data.Dataset:
-  """A task's examples as training makes them, unshuffled; a stream task's are one row's, step after step."""
+  """A task's examples as training makes them, unshuffled; a stream task's are one row's, step after step.
+  Raises example_check.NoExamples where the text makes none."""
   if tasks.continues_across_examples(task):
     return stream_examples(task, feature_lengths, tasks.token_file(task, split, say=say), [0], num_rows=1,
                            bi_data=False, seed=seed)
+  tasks.check_examples(task, split)
   return tasks.get_dataset(task, feature_lengths, split=split, shuffle=False, seed=seed, num_epochs=1)
 
 

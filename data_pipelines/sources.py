@@ -18,6 +18,7 @@ _DOCUMENT_BREAK = "\x1e"  # ASCII record separator: cannot occur in decoded text
 MAX_LINE_BYTES = 2**20
 
 
+@tf.autograph.experimental.do_not_convert  # plain TF ops: converting it for tf.data took most of a pipeline's build
 def split_documents(file_content: tf.Tensor, file_name: tf.Tensor) -> tf.data.Dataset:
   """One file's bytes -> dataset of {'text'} documents.
 
@@ -88,6 +89,10 @@ class TextDocumentSource(seqio.DataSource):
     if not files:
       raise ValueError(f"{self._setting}={pattern!r}: every matching file is empty")
     return files
+
+  def describe(self, split: str) -> str:
+    """The split's files, for messages: its pattern and how many non-empty files match it."""
+    return f"{self._patterns[split]!r}, {len(self.list_shards(split))} file(s)"
 
   def total_bytes(self, split: str) -> int:
     return sum(self._sizes[split][f] for f in self.list_shards(split))  # sizes from the listing

@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import seqio
 
-from data_pipelines import demo_corpus, features, sources, token_files, vocab
+from data_pipelines import demo_corpus, example_check, features, sources, token_files, vocab
 from data_pipelines.objectives import denoising, documents, mlm, nsp_sop, permutation, span_corruption
 
 def _sentence_pair_mlm(vocabulary, *, mode: str, label_key: str, max_ngram: int, whole_word: bool):
@@ -97,11 +97,19 @@ def xlnet_stream_reading(vocabulary, sequence_length: Mapping[str, int]) -> Stre
                        example)
 
 
+# What the documents must hold for each objective to make an example (example_check).
+_PAIRS = example_check.Requirement(
+    lambda documents: documents.most_sentences >= 2 or len(documents.distinct) >= 2,
+    "a document of 2 sentences, or a second, different document to take a one-sentence document's segment B from")
+_ANY_TOKEN = example_check.Requirement(lambda documents: documents.count >= 1, "a document of at least 1 token")
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
   preprocessors: Callable[[seqio.Vocabulary], List]  # applied after tokenization
   # Raises ValueError for TASK_FEATURE_LENGTHS the preprocessors would refuse: the objectives' own checks.
   check_lengths: Callable[[Mapping[str, int]], None]
+  requirement: example_check.Requirement
   extra_ids: int = 0  # sentinel pieces appended to the vocabulary (T5)
   # Consecutive examples continue one text stream (XLNet's memory): never shuffled or mixed. Training
   # reads them from token files as row streams: (vocabulary, lengths) -> StreamReading.
@@ -109,14 +117,17 @@ class Objective:
 
 
 OBJECTIVES: Dict[str, Objective] = {
-    "bert_mlm_nsp": Objective(bert_mlm_nsp, _sentence_pair_lengths),
-    "albert_mlm_sop": Objective(albert_mlm_sop, _sentence_pair_lengths),
+    "bert_mlm_nsp": Objective(bert_mlm_nsp, _sentence_pair_lengths, _PAIRS),
+    "albert_mlm_sop": Objective(albert_mlm_sop, _sentence_pair_lengths, _PAIRS),
     "bart_denoising": Objective(bart_denoising, lambda lengths: denoising.chunk_length(  # BART adds bos
-        lengths["encoder_input_ids"], lengths["decoder_input_ids"], bos_id=vocab.BOS_ID)),
+        lengths["encoder_input_ids"], lengths["decoder_input_ids"], bos_id=vocab.BOS_ID),
+        example_check.Requirement(lambda documents: documents.most_tokens >= denoising.MIN_BLOCK_TOKENS,
+                                  f"a document of {denoising.MIN_BLOCK_TOKENS} tokens (fairseq's BART drops "
+                                  "shorter ones)")),
     "t5_span_corruption": Objective(t5_span_corruption, lambda lengths: span_corruption.max_tokens_for_lengths(
-        lengths["encoder_input_ids"], lengths["decoder_input_ids"]), extra_ids=100),
+        lengths["encoder_input_ids"], lengths["decoder_input_ids"]), _ANY_TOKEN, extra_ids=100),
     "xlnet_plm": Objective(xlnet_plm, lambda lengths: permutation.check_lengths(**_xlnet_lengths(lengths)),
-                           stream_reading=xlnet_stream_reading),
+                           _ANY_TOKEN, stream_reading=xlnet_stream_reading),
 }
 
 
@@ -157,6 +168,15 @@ def register_task(name: str, source: seqio.DataSource, objective: str, vocab_mod
       shuffle_buffer_size=None if spec.stream_reading else EXAMPLE_SHUFFLE_BUFFER,
   )
   return name
+
+
+def check_examples(task_or_mixture, split: str, shard_info: Optional[seqio.ShardInfo] = None,
+                   seconds: float = example_check.FIRST_EXAMPLE_SECONDS) -> None:
+  """Raises example_check.NoExamples if a task (any task of a mixture) makes no example of `split`'s text,
+  or of one data shard of it."""
+  objective = objective_of(task_or_mixture)
+  for task in seqio.get_subtasks(task_or_mixture):
+    example_check.check(task, split, objective, OBJECTIVES[objective].requirement, shard_info, seconds)
 
 
 def token_file(task: seqio.Task, split: str, say=print) -> token_files.TokenFile:

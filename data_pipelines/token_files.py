@@ -21,6 +21,7 @@ import tensorflow as tf
 from tqdm import tqdm
 
 from data_pipelines import storage
+from data_pipelines.example_check import NoExamples
 
 INFO_FILE = "info.json"
 _BYTES_PER_TOKEN = 4
@@ -85,7 +86,7 @@ def write(task: seqio.Task, split: str, directory: str, progress: bool = True) -
       bar.set_postfix(tokens=f"{total:,}")
       bar.update()
   if total == 0:
-    raise ValueError(f"the {split} text of {task.name} holds no sentences to tokenize ({len(shards)} file(s), e.g. "
+    raise NoExamples(f"the {split} text of {task.name} holds no sentences to tokenize ({len(shards)} file(s), e.g. "
                      f"{shards[0]})")
   vocabulary = next(iter(task.output_features.values())).vocabulary
   return finish(directory, len(shards), task=task.name, split=split, vocab_size=vocabulary.vocab_size,
@@ -134,6 +135,8 @@ class TokenFile:
       self.info = json.load(f)
     self.directory = directory
     self.size = int(self.info["tokens"])
+    if self.size < 1:  # rows read it around and around: an empty one would give no window
+      raise NoExamples(f"{directory} holds no tokens ({INFO_FILE}): tokenize text that has some")
     counts = [part["tokens"] for part in self.info["parts"]]
     self._starts = np.concatenate([[0], np.cumsum(counts)])
     self._paths = [os.path.join(directory, part["file"]) for part in self.info["parts"]]

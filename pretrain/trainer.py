@@ -172,8 +172,10 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)
-    with user_settings():  # an empty corpus or a TOKEN_DIR of another vocabulary
+    with user_settings():  # an empty corpus, text the objective makes no example of, a TOKEN_DIR of another vocabulary
       train_iterator = data.iterator("train", say=say)
+      if eval_every_steps and data.has_split("validation"):
+        data.check_examples("validation", say=say)  # now, not at the first eval
     saver = checkpoints.Saver(model_dir, keep_checkpoints, train_iterator, run_config.to_json(), say, save_attempts)
     state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed)
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))

@@ -217,19 +217,25 @@ def truncate_sentences(sentences: tf.RaggedTensor, max_tokens) -> tf.RaggedTenso
   return tf.ragged.boolean_mask(truncated, kept > 0)
 
 
+# fairseq's 'complete_doc' blocks keep only blocks of more than one token (token_block_utils_fast.pyx).
+MIN_BLOCK_TOKENS = 2
+
+
 def chunk_length(encoder_length: int, decoder_length: int, bos_id: Optional[int]) -> int:
   """Most document tokens an example holds: both sides add eos, and bos when given."""
   length = min(encoder_length, decoder_length) - (bos_id is not None) - 1
-  if length < 1:
+  if length < MIN_BLOCK_TOKENS:
     raise ValueError(f"denoising: encoder_length={encoder_length} / decoder_length={decoder_length} "
-                     "leave no room for tokens besides bos/eos")
+                     f"leave no room for {MIN_BLOCK_TOKENS} tokens besides bos/eos")
   return length
 
 
 def denoising_blocks(dataset: tf.data.Dataset, sequence_length, *, bos_id: Optional[int] = None) -> tf.data.Dataset:
-  """seqio preprocessor: each document -> its blocks of whole sentences that fit one example."""
+  """seqio preprocessor: each document -> its blocks of whole sentences that fit one example; blocks of
+  fewer than MIN_BLOCK_TOKENS tokens are dropped, as fairseq drops them."""
   length = chunk_length(sequence_length["encoder_input_ids"], sequence_length["decoder_input_ids"], bos_id)
-  return documents.split_into_blocks(dataset, length)
+  return documents.split_into_blocks(dataset, length).filter(
+      lambda block: tf.size(block["sentences"].flat_values) >= MIN_BLOCK_TOKENS)
 
 
 def denoising_features(sentences, seed, *, encoder_length: int, decoder_length: int, eos_id: int,

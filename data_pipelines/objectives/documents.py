@@ -10,6 +10,7 @@ def tokenize_sentences(dataset: tf.data.Dataset, output_features, text_key: str 
   """
   vocabulary = next(iter(output_features.values())).vocabulary
 
+  @tf.autograph.experimental.do_not_convert  # plain TF ops: spares tf.data converting them
   def tokenize(example):
     lines = tf.strings.split(example[text_key], "\n")
     sentences = tf.cast(vocabulary.encode_tf(lines), tf.int32)

@@ -4,14 +4,19 @@ Follows the BERT reference's `create_instances_from_document`: sentences are gat
 until it reaches the target length (the maximum, or with probability short_seq_prob a random
 shorter one), the chunk is split at a random sentence boundary into A and B, and
 
-- NSP: with probability 0.5 (always for a one-sentence chunk) B is replaced by sentences from a
-  random other document (label 1; never the document itself or a copy of it) and the unused
-  sentences are put back; else label 0. Unlike the reference, a one-sentence chunk left at a
-  document's end is skipped rather than made a forced negative, so labels stay balanced (the
-  reference gives ~70% negatives on short documents).
+- NSP: with probability 0.5 (always for a one-sentence chunk, such as a one-sentence document) B
+  is replaced by sentences from a random other document (label 1) and the unused sentences are put
+  back; else label 0.
 - SOP: A and B are swapped with probability 0.5 (label 1). A one-sentence chunk has no order to
-  predict and is skipped; B never comes from another document.
+  swap: as in ALBERT's reference, its B comes from another document (here the one before it in
+  the stream), label 1.
 
+Two deliberate differences from the references: B never comes from the document itself or a copy
+of it (the reference falls back to the document itself after 10 draws, which labels a true
+continuation random), so a one-sentence chunk with no other document to draw from is skipped and a
+corpus of one one-sentence document makes no pair; and a lone sentence left over at the end of a
+longer document is skipped rather than made a forced random pair, so labels stay balanced (the
+reference gives ~70% random pairs on documents of two sentences).
 Then the pair is truncated to the length budget, removing tokens from the front or the back of
 the longer segment at random.
 """
@@ -37,9 +42,10 @@ def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_p
                other_is_distinct=True):
   """Sentence ranges of every pair one document yields.
 
-  lengths: int32 [num_sentences] of this document; other_lengths: of a random other document
-  (NSP only). other_is_distinct: False when the random pick is this very document (or a copy):
-  then no random-next pair is made, since its B would be a true continuation labelled random.
+  lengths: int32 [num_sentences] of this document; other_lengths: of another document, where a
+  random-next B comes from (NSP's random pairs, and both objectives' one-sentence chunks).
+  other_is_distinct: False when that document is this very one (or a copy): then no random-next
+  pair is made, since its B would be a true continuation labelled random.
   Returns int32 [num_pairs, 7]: a_start, a_end, b_from_other, b_start, b_end, label, and a
   per-pair seed component.
   """
@@ -57,20 +63,20 @@ def plan_pairs(lengths, other_lengths, seed, *, max_num_tokens: int, short_seq_p
     n = i - chunk_start + 1
     a_end = chunk_start + tf.where(n >= 2, randint(cut_seed, 1, tf.maximum(n - 1, 1)), 1)
     coin = tf.random.stateless_uniform([], coin_seed) < 0.5
+    a_tokens = tf.reduce_sum(lengths[chunk_start:a_end])
+    other_start, other_end = _random_continuation(other_lengths, target - a_tokens, other_seed)
+    random_pair = [chunk_start, a_end, 1, other_start, other_end, 1, step]
+    in_order = [chunk_start, a_end, 0, a_end, i + 1, 0, step]
+    # A lone sentence can only pair with another document's text: skipped when there is none, and when it
+    # is left over at the end of a longer document, which keeps labels balanced on short documents.
+    emit = closes & ((n >= 2) | (other_is_distinct & ((i < num_sentences - 1) | (num_sentences == 1))))
     if mode == NSP:
       random_next = (n == 1) | (coin & other_is_distinct)
-      a_tokens = tf.reduce_sum(lengths[chunk_start:a_end])
-      other_start, other_end = _random_continuation(other_lengths, target - a_tokens, other_seed)
-      pair = tf.where(random_next, [chunk_start, a_end, 1, other_start, other_end, 1, step],
-                      [chunk_start, a_end, 0, a_end, i + 1, 0, step])
-      # A lone sentence can only make a forced random-next pair: skip it at the document's end,
-      # which keeps labels balanced on corpora of short documents, and when there is no other document.
-      emit = closes & ((n >= 2) | ((i < num_sentences - 1) & other_is_distinct))
+      pair = tf.where(random_next, random_pair, in_order)
       next_i = tf.where(random_next, a_end, i + 1)  # unused sentences go back to the pool
     else:
-      pair = tf.where(coin, [a_end, i + 1, 0, chunk_start, a_end, 1, step],
-                      [chunk_start, a_end, 0, a_end, i + 1, 0, step])
-      emit = closes & (n >= 2)
+      swapped = [a_end, i + 1, 0, chunk_start, a_end, 1, step]
+      pair = tf.where(n == 1, random_pair, tf.where(coin, swapped, in_order))
       next_i = i + 1
     pairs = tf.cond(emit, lambda: tf.concat([pairs, pair[None]], 0), lambda: pairs)
     return (step + 1, tf.where(closes, next_i, i + 1), tf.where(closes, next_i, chunk_start),
@@ -116,11 +122,22 @@ def _same_document(a: tf.RaggedTensor, b: tf.RaggedTensor) -> tf.Tensor:
 @seqio.map_over_dataset(num_seeds=1)
 def _attach_plan(example, seed, **plan_kwargs):
   sentences, other = example["sentences"], example["other"]
-  # Only NSP draws from another document (SOP's `other` is the document itself, never consulted).
-  distinct = tf.logical_not(_same_document(sentences, other)) if plan_kwargs["mode"] == NSP else True
   plan = plan_pairs(tf.cast(sentences.row_lengths(), tf.int32), tf.cast(other.row_lengths(), tf.int32), seed,
-                    other_is_distinct=distinct, **plan_kwargs)
+                    other_is_distinct=tf.logical_not(_same_document(sentences, other)), **plan_kwargs)
   return {**example, "plan": plan, "seed": seed}
+
+
+def _with_previous_document(dataset: tf.data.Dataset) -> tf.data.Dataset:
+  """{'sentences'} -> {'sentences', 'other'}: other is the document before it (the first: itself)."""
+  def step(previous, example):
+    sentences = example["sentences"]
+    values, row_splits = previous  # tf.data's scan keeps no RaggedTensor state
+    other = tf.cond(tf.size(row_splits) > 1, lambda: tf.RaggedTensor.from_row_splits(values, row_splits),
+                    lambda: sentences)
+    return (sentences.values, sentences.row_splits), {"sentences": sentences, "other": other}
+
+  row_splits_dtype = dataset.element_spec["sentences"].row_splits_dtype
+  return dataset.scan((tf.zeros([0], tf.int32), tf.zeros([1], row_splits_dtype)), step)
 
 
 def pair_budget(input_length: int) -> int:
@@ -135,21 +152,19 @@ def sentence_pairs(dataset: tf.data.Dataset, sequence_length, *, mode: str, shor
   """{'sentences': ragged [s, None]} documents -> {'tokens_a', 'tokens_b', 'label'} pairs whose
   tokens fit sequence_length['input_ids'] with [CLS], [SEP], [SEP] added.
 
-  For NSP each document is zipped with a random document from a shuffled copy of the stream.
+  For NSP each document is zipped with a random document from a shuffled copy of the stream; for
+  SOP with the document before it.
   """
   max_num_tokens = pair_budget(sequence_length["input_ids"])
   if mode not in (NSP, SOP):
     raise ValueError(f"sentence pair mode={mode!r}: expected {NSP!r} or {SOP!r}")
-  # A one-sentence document can only yield a random-next pair (NSP) or nothing (SOP): skip it, or
-  # corpora of short documents would make NSP labels mostly 1.
-  dataset = dataset.filter(lambda ex: ex["sentences"].nrows() >= 2)
   if mode == NSP:
     # A fixed shuffle seed keeps the pipeline deterministic; per-example randomness comes from seqio seeds.
     others = dataset.shuffle(random_document_buffer, seed=17).map(lambda ex: ex["sentences"])
     documents = tf.data.Dataset.zip(dataset,
                                     others).map(lambda ex, other: {"sentences": ex["sentences"], "other": other})
-  else:  # SOP never looks at another document: don't read and tokenize the stream twice
-    documents = dataset.map(lambda ex: {"sentences": ex["sentences"], "other": ex["sentences"]})
+  else:  # SOP needs another document only for one-sentence chunks: don't read and tokenize the stream twice
+    documents = _with_previous_document(dataset)
   documents = _attach_plan(documents, max_num_tokens=max_num_tokens, short_seq_prob=short_seq_prob, mode=mode)
 
   def pairs_of(example):

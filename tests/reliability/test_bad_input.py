@@ -3,8 +3,10 @@ exit code 1, or is skipped with a warning that counts it. The runs fail early, s
 (tests/pretrain/test_cli.py has the bad bindings and flags; tests/data_pipelines the empty and non-UTF-8
 text)."""
 import io
+import re
 
 import pytest
+import seqio
 import sentencepiece as spm
 
 from helpers import host_devices, restored, run_module, run_train
@@ -115,3 +117,79 @@ def test_a_batch_size_the_data_parallel_groups_do_not_divide_is_named(tmp_path):
                       "--gin.BATCH_SIZE=31", env=host_devices(2))
   assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
       f"{ERROR}BATCH_SIZE=31 is not divisible by MICROBATCHES=1 × the mesh's 2 data-parallel groups"), result.stderr
+
+
+# ----------------------------------------------------------------------------- input that makes no example
+# Each of these spun tf.data forever (or ended in OutOfRangeError's traceback) before the input was checked.
+
+
+def no_example(objective, task, reason):
+  return (f"{ERROR}{objective} makes no example from the {task}: {reason}; {objective} needs "
+          f"{tasks.OBJECTIVES[objective].requirement.needs}")
+
+
+def test_bert_on_one_line_without_a_newline_stops_with_one_line(tmp_path, capsys, demo_paths):
+  (tmp_path / "one.txt").write_text("One short line")
+  code, last = run_train(capsys, tmp_path / "run", BERT_RUN, f"--gin.TRAIN_FILES='{tmp_path}/one.txt'",
+                         f"--gin.VOCAB_MODEL='{demo_paths['vocab_model']}'")
+  assert code == 1 and last == no_example(
+      "bert_mlm_nsp", f"train text of text_bert_mlm_nsp ('{tmp_path}/one.txt', 1 file(s))",
+      "its 1 document(s), 1 different, hold at most 1 sentence(s) and 4 token(s)"), last
+
+
+def test_bart_on_whitespace_lines_and_a_bad_validation_split_stop_with_one_line(tmp_path, capsys, demo_paths):
+  """Whitespace only ended in OutOfRangeError's traceback; a held-out split is checked at the start, not at
+  the first eval."""
+  (tmp_path / "blank.txt").write_text(" \n\t\n\n   \n")
+  code, last = run_train(capsys, tmp_path / "run", BART_RUN, f"--gin.TRAIN_FILES='{tmp_path}/blank.txt'",
+                         f"--gin.VOCAB_MODEL='{demo_paths['vocab_model']}'")
+  assert code == 1 and last == no_example(
+      "bart_denoising", f"train text of text_bart_denoising ('{tmp_path}/blank.txt', 1 file(s))",
+      "it holds no sentence (blank lines only, or nothing the vocabulary makes pieces of)"), last
+  (tmp_path / "held_out.txt").write_text("A\n\nB\n")  # one token each: fairseq's BART drops such blocks
+  code, last = run_train(capsys, tmp_path / "run", BART_RUN, f"--gin.TRAIN_FILES='{demo_paths['validation']}'",
+                         f"--gin.VALIDATION_FILES='{tmp_path}/held_out.txt'",
+                         f"--gin.VOCAB_MODEL='{demo_paths['vocab_model']}'")
+  assert code == 1 and last.startswith(
+      f"{ERROR}bart_denoising makes no example from the validation text of text_bart_denoising "
+      f"('{tmp_path}/held_out.txt', 1 file(s)): its 2 document(s), 2 different, hold at most 1 sentence(s) and 1 "
+      "token(s)"), last
+
+
+def test_a_mixture_names_its_task_that_makes_no_example(tmp_path, demo_paths):
+  (tmp_path / "one.txt").write_text("Just one sentence.\n")
+  good = tasks.text_task("albert_mlm_sop", train_files=demo_paths["validation"], vocab_model=demo_paths["vocab_model"],
+                         corpus="good")
+  bad = tasks.text_task("albert_mlm_sop", train_files=str(tmp_path / "one.txt"),
+                        vocab_model=demo_paths["vocab_model"], corpus="bad")
+  mixture = tasks.mixture("good_and_bad", [good, bad])
+  with pytest.raises(ValueError, match=re.escape(f"albert_mlm_sop makes no example from the train text of {bad} (")):
+    tasks.check_examples(tasks.get_task_or_mixture(mixture), "train")
+
+
+def test_each_process_checks_its_data_shards_and_a_time_bound_stops_a_long_pass(tmp_path, demo_paths):
+  """Two documents, four data shards of one file: shards 2 and 3 get no document. And a pass that takes
+  longer than the bound stops at the bound, saying what it read."""
+  (tmp_path / "two.txt").write_text("First document opens.\nIt closes.\n\nSecond document opens.\nIt closes.\n")
+  name = tasks.text_task("bert_mlm_nsp", train_files=str(tmp_path / "two.txt"), vocab_model=demo_paths["vocab_model"])
+  task = tasks.get_task_or_mixture(name)
+  for shard in range(2):
+    tasks.check_examples(task, "train", seqio.ShardInfo(shard, 4))
+  with pytest.raises(ValueError, match=re.escape("data shard 3 of 4 (its share of the documents): it holds no")):
+    tasks.check_examples(task, "train", seqio.ShardInfo(3, 4))
+  (tmp_path / "same.txt").write_text("The same line.\n\n" * 50)
+  same = tasks.text_task("bert_mlm_nsp", train_files=str(tmp_path / "same.txt"),
+                         vocab_model=demo_paths["vocab_model"], corpus="same")
+  with pytest.raises(ValueError, match=re.escape(f"from the train text of {same} ('{tmp_path}/same.txt', 1 file(s)) "
+                                                 "in its first 0 s of text: its 1 document(s), 1 different")):
+    tasks.check_examples(tasks.get_task_or_mixture(same), "train", seconds=0)
+
+
+def test_preview_stops_with_one_line(tmp_path, demo_paths):
+  from data_pipelines import preview
+  (tmp_path / "blank.txt").write_text("\n \n")
+  name = tasks.text_task("t5_span_corruption", train_files=str(tmp_path / "blank.txt"),
+                         vocab_model=demo_paths["vocab_model"])
+  with pytest.raises(ValueError, match=re.escape(f"t5_span_corruption makes no example from the train text of {name} "
+                                                 f"('{tmp_path}/blank.txt', 1 file(s)): it holds no sentence")):
+    preview.print_examples(name, "train", 1, "jsonl", 0)

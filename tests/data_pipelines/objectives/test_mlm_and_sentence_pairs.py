@@ -291,39 +291,46 @@ def sentence_pairs(name, objective, corpus_glob, vocab_model, processor, label_k
 
 @pytest.mark.parametrize("shape", ["two_sentences", "one_to_five_sentences"])
 def test_nsp_labels_are_balanced_and_mean_what_they_say(shape, tmp_path, demo_paths, demo_vocab):
-  """Label 1 with p = 0.5 per chunk. The only other source of label 1: with a short target
-  (short_seq_prob 0.1 × P(target <= 13 tokens, one sentence) = 12/124) every sentence but the last
-  is a forced random-next pair, which raises the rate by ~0.005 (two sentences) to ~0.01 (1-5), inside
-  the tolerance (~0.05). 200-300 documents, so the shuffled stream often hands a document itself
-  back: that must never become a random B."""
+  """Label 1 with p = 0.5 per chunk of 2 sentences or more. The only other source of label 1: with a
+  short target (short_seq_prob 0.1 × P(target <= 13 tokens, one sentence) = 12/124) every sentence but
+  the last is a forced random-next pair, which raises the rate by ~0.005 (two sentences) to ~0.01
+  (1-5), inside the tolerance (~0.05). A one-sentence document makes a random-next pair, as the
+  reference does. 200-300 documents, so the shuffled stream often hands a document itself back: that
+  must never become a random B."""
   rng = np.random.default_rng(5)
   counts = [2] * 200 if shape == "two_sentences" else rng.integers(1, 6, size=300).tolist()
   single = {d for d, n in enumerate(counts) if n == 1}
   pairs = sentence_pairs(f"test_nsp_{shape}", "bert_mlm_nsp", write_corpus(tmp_path, counts),
                          demo_paths["vocab_model"], demo_vocab.tokenizer, "nsp_label", 2000)
-  labels = np.array([label for label, _, _ in pairs])
+  labels = np.array([label for label, a, _ in pairs if a[0][0] not in single])
   assert_rate(labels.sum(), len(labels), 0.5, "nsp_label = 1")
+  assert shape == "two_sentences" or len(labels) < len(pairs), "one-sentence documents make pairs too"
   for label, a, b in pairs:
     assert consecutive(a) and consecutive(b), f"segments are runs of one document's sentences: {a} {b}"
-    assert a[0][0] not in single, "one-sentence documents make no pairs"
     if label == 0:
-      assert consecutive(a + b), f"label 0 but B does not continue A: {a} {b}"
+      assert a[0][0] not in single and consecutive(a + b), f"label 0 but B does not continue A: {a} {b}"
     else:
       assert b[0][0] != a[0][0], f"label 1 but B is from A's own document: {a} {b}"
-      assert b[0][0] not in single
 
 
 def test_sop_labels_are_balanced_and_swap_consecutive_segments(tmp_path, demo_paths, demo_vocab):
+  """As ALBERT's reference: a one-sentence chunk (a one-sentence document, or a sentence that fills a
+  short target alone) has no order to swap, so its B comes from another document, label 1."""
   counts = np.random.default_rng(6).integers(1, 6, size=300).tolist()
   single = {d for d, n in enumerate(counts) if n == 1}
   pairs = sentence_pairs("test_sop", "albert_mlm_sop", write_corpus(tmp_path, counts), demo_paths["vocab_model"],
                          demo_vocab.tokenizer, "sop_label", 2000)
-  labels = np.array([label for label, _, _ in pairs])
+  labels = np.array([label for label, a, _ in pairs if a[0][0] not in single])
   assert_rate(labels.sum(), len(labels), 0.5, "sop_label = 1")
+  assert len(labels) < len(pairs), "one-sentence documents make pairs too"
   for label, a, b in pairs:
-    assert consecutive(a) and consecutive(b) and a[0][0] == b[0][0], f"segments from one document: {a} {b}"
-    assert a[0][0] not in single, "one-sentence documents make no pairs"
-    assert consecutive(b + a if label == 1 else a + b), f"label {label}: {a} {b}"
+    assert consecutive(a) and consecutive(b), f"segments are runs of one document's sentences: {a} {b}"
+    if a[0][0] in single:
+      assert label == 1 and b[0][0] != a[0][0], f"a one-sentence document's B comes from another: {a} {b}"
+    elif b[0][0] != a[0][0]:  # a sentence that fills a short target alone
+      assert label == 1 and len(a) == 1, f"B from another document: label 1, after a lone sentence: {a} {b}"
+    else:
+      assert a[0][0] == b[0][0] and consecutive(b + a if label == 1 else a + b), f"label {label}: {a} {b}"
 
 
 def test_preview_writes_jsonl_with_every_feature():

@@ -18,6 +18,7 @@ from typing import IO, Dict, List, Optional
 import numpy as np
 import seqio
 import tensorflow as tf
+from etils import epath
 from tqdm import tqdm
 
 from data_pipelines import storage
@@ -57,17 +58,21 @@ def write_part(path: str, documents: tf.data.Dataset) -> None:
   """Writes one part: tokenized documents {'sentences': ragged [num_sentences, None]}, one after another."""
   encoded = documents.map(_encode, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
   temporary = _temporary(path)
-  with storage.open_file(temporary, "wb") as f:
-    f.write(b"")  # GFile makes the file at its first write: an empty part must exist too
-    pending, pending_tokens = [], 0
-    for tokens in encoded.as_numpy_iterator():
-      pending.append(tokens)
-      pending_tokens += tokens.size
-      if pending_tokens >= _WRITE_CHUNK_TOKENS:
+  try:
+    with storage.open_file(temporary, "wb") as f:
+      f.write(b"")  # GFile makes the file at its first write: an empty part must exist too
+      pending, pending_tokens = [], 0
+      for tokens in encoded.as_numpy_iterator():
+        pending.append(tokens)
+        pending_tokens += tokens.size
+        if pending_tokens >= _WRITE_CHUNK_TOKENS:
+          f.write(np.concatenate(pending).astype("<i4").tobytes())
+          pending, pending_tokens = [], 0
+      if pending:
         f.write(np.concatenate(pending).astype("<i4").tobytes())
-        pending, pending_tokens = [], 0
-    if pending:
-      f.write(np.concatenate(pending).astype("<i4").tobytes())
+  except BaseException:  # an error, or a signal that stops the run (pretrain.signals): no half-written part is left
+    epath.Path(temporary).unlink(missing_ok=True)
+    raise
   storage.rename(temporary, path, overwrite=True)  # a part that exists is complete
 
 

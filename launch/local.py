@@ -15,11 +15,14 @@ The command joins the job with `pretrain.distributed.initialize()`, where these 
 (pretrain.train calls it). Every line child i writes to stdout (stderr) is
 printed to our stdout (stderr) as "[process i] line". The two streams stay apart because a child's
 C++ runtime writes its logs to stderr piecewise, which would split its stdout lines if they shared
-one pipe. If a child exits non-zero the others are terminated and we exit non-zero naming it;
-Ctrl-C terminates all children.
+one pipe. If a child exits non-zero the others are terminated and we exit non-zero naming it.
+SIGTERM and SIGINT (Ctrl-C) are passed on to every child, which decides what they mean (pretrain.train:
+a preemption, or a stop before the first step; a second Ctrl-C stops at once). Each child runs in a
+process group of its own, so that a terminal's Ctrl-C reaches it once, through us.
 """
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +32,7 @@ from pretrain.distributed import (COORDINATOR_ADDRESS_ENV, COORDINATOR_BIND_ADDR
                                   NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port)
 
 _TERMINATE_GRACE_SECONDS = 5
+_PASSED_ON = (signal.SIGTERM, signal.SIGINT)
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -98,14 +102,24 @@ def _first_failure(children: list[subprocess.Popen]) -> tuple[int, int] | None:
   return None
 
 
+def _pass_on(children: list[subprocess.Popen]):
+  """A signal handler that sends the signal it gets to every child still running."""
+  def handler(signum, frame):
+    for child in children:
+      if child.poll() is None:
+        child.send_signal(signum)
+  return handler
+
+
 def launch(command: list[str], num_processes: int, devices_per_process: int, port: int) -> int:
   """Runs the children until all succeed (returns 0) or one fails (returns non-zero)."""
   lock = threading.Lock()
   children, copiers = [], []
+  previous = {signum: signal.signal(signum, _pass_on(children)) for signum in _PASSED_ON}
   try:
     for i in range(num_processes):
       child = subprocess.Popen(command, env=child_env(i, num_processes, devices_per_process, port),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, process_group=0)
       children.append(child)
       for source, destination in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
         copier = threading.Thread(target=_copy_prefixed, args=(source, destination, f"[process {i}] ", lock))
@@ -114,15 +128,13 @@ def launch(command: list[str], num_processes: int, devices_per_process: int, por
     while any(child.poll() is None for child in children) and not _first_failure(children):
       time.sleep(0.1)
     failure = _first_failure(children)
-  except KeyboardInterrupt:
-    _terminate(children)
-    print("launch.local: interrupted; all processes terminated", file=sys.stderr)
-    return 130
   finally:
     if any(child.poll() is None for child in children):
       _terminate(children)
     for copier in copiers:
       copier.join()
+    for signum, handler in previous.items():
+      signal.signal(signum, handler)
   if failure:
     i, code = failure
     print(f"launch.local: process {i} exited with code {code}; stopped the others", file=sys.stderr)

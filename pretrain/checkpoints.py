@@ -12,7 +12,10 @@ honest: a sum over each array's bits, taken before the save and compared after t
 damaged array data is caught rather than trained on.
 """
 import dataclasses
+import logging
+import os
 import time
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import jax
@@ -24,6 +27,25 @@ from jax.experimental import multihost_utils
 
 from pretrain import distributed
 from pretrain.errors import ConfigError, TrainingStopped, one_line
+
+
+class _TracebacksOfHandledFaults(logging.Filter):
+  """orbax logs the traceback of a save or restore that failed in one of its threads, then raises the error
+  to us, where every such fault is handled (`Saver`, `restore`: one line) or, if not, raised on with its
+  own traceback. So orbax's copy goes to the debug log, shown with POD_PRETRAIN_DEBUG=1."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.exc_info and "orbax" in record.pathname) or bool(os.environ.get("POD_PRETRAIN_DEBUG"))
+
+
+_TRACEBACKS_OF_HANDLED_FAULTS = _TracebacksOfHandledFaults()
+
+
+def _hide_tracebacks_of_handled_faults() -> None:
+  """Where a manager is made: warning filters set at import may be reset (pytest resets them per test)."""
+  logging.getLogger("absl").addFilter(_TRACEBACKS_OF_HANDLED_FAULTS)  # absl.logging, which orbax logs through
+  if not os.environ.get("POD_PRETRAIN_DEBUG"):  # the parts of a save that failed before orbax awaited them
+    warnings.filterwarnings("ignore", r"coroutine '\w+CheckpointHandler\.async_save' was never awaited", RuntimeWarning)
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):
@@ -66,6 +88,7 @@ def unfinished_saves(model_dir: str) -> List[str]:
 def make_manager(model_dir: str, max_to_keep: int = 3, async_save: bool = True) -> ocp.CheckpointManager:
   # Directories are made before `save` returns: made in the background, a refused one leaves the save
   # waiting for a signal that never comes (20 minutes) instead of failing.
+  _hide_tracebacks_of_handled_faults()
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                          create=True, cleanup_tmp_directories=True,
                                          async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
@@ -280,10 +303,28 @@ def set_aside(model_dir: str, step: int) -> epath.Path:
   """Moves a damaged checkpoint out of the manager's sight, kept for inspection: MODEL_DIR/damaged/<step>."""
   target = epath.Path(model_dir) / "damaged" / str(step)
   if jax.process_index() == 0:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    (checkpoint_dir(model_dir) / str(step)).rename(target)
+    _move(checkpoint_dir(model_dir) / str(step), target)
   multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
   return target
+
+
+def _move(source: epath.Path, target: epath.Path) -> None:
+  """Renames a directory. An object store through gcsfs has no directory to rename into (epath wants the
+  target's folder to exist, and an empty one cannot): there the files are copied, then the source removed."""
+  target.parent.mkdir(parents=True, exist_ok=True)
+  if target.parent.exists():
+    source.rename(target)
+    return
+  _copy_tree(source, target)
+  source.rmtree()
+
+
+def _copy_tree(source: epath.Path, target: epath.Path) -> None:
+  for entry in source.iterdir():  # not rglob: epath refuses `**` on gs://
+    if entry.is_dir():
+      _copy_tree(entry, target / entry.name)
+    else:
+      entry.copy(target / entry.name)
 
 
 def save_weights(model_dir: str, params, run_config: dict) -> None:

@@ -11,7 +11,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple
 import gin
 from gin import config_parser
 
-from pretrain.errors import USER_ERRORS, ConfigError, one_line, user_settings
+from pretrain.errors import USER_ERRORS, ConfigError, Interrupted, one_line, user_settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 _UNSET_ARGUMENT = "No values supplied by Gin or caller for arguments"  # gin's words for a missing binding
@@ -256,3 +256,7 @@ def run(program: str, main: Callable[[], None]) -> None:
     main()
   except USER_ERRORS as e:
     fail(e, program)
+  except Interrupted as e:  # stopped by a signal: its line is out; JAX's exit handler would wait minutes for peers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(e.exit_code)

@@ -3,10 +3,13 @@
 `launch.local` starts N processes on this machine with these variables; on a multi-host TPU slice
 the TPU runtime tells JAX its peers and no variable is needed. A single process joins a job of its
 own on loopback: JAX's preemption service, which turns a SIGTERM into an agreed step to checkpoint
-(`multihost_utils.reached_preemption_sync_point`), runs only inside a job.
+(`multihost_utils.reached_preemption_sync_point`), runs only inside a job; until training begins,
+pretrain.signals holds SIGTERM and Ctrl-C.
 """
 import os
 import socket
+
+from pretrain import signals
 
 COORDINATOR_ADDRESS_ENV = "JAX_COORDINATOR_ADDRESS"
 COORDINATOR_BIND_ADDRESS_ENV = "JAX_COORDINATOR_BIND_ADDRESS"  # read by jax.distributed.initialize itself
@@ -38,6 +41,7 @@ def initialize() -> None:
     address = f"{LOOPBACK}:{free_port()}"
     jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address, num_processes=1,
                                process_id=0)
+  signals.hold_until_training()  # JAX's preemption service acts only at a step: until then, a signal stops the run
 
 
 def any_process(flag: bool) -> bool:

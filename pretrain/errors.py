@@ -18,6 +18,15 @@ class TrainingStopped(Exception):
   """The run stopped itself (its updates kept failing); the message says why and where to resume."""
 
 
+class Interrupted(BaseException):
+  """A signal stopped the run before its first step (pretrain.signals); its one line is already out. A
+  BaseException, as KeyboardInterrupt: code that handles faults (`except Exception`) must not take it for one."""
+
+  def __init__(self, line: str, exit_code: int):
+    super().__init__(line)
+    self.exit_code = exit_code
+
+
 # Missing or unreadable paths are the user's to fix too (a checkpoint directory, a vocabulary file).
 USER_ERRORS = (ConfigError, TrainingStopped, FileNotFoundError, NotADirectoryError, PermissionError)
 

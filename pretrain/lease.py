@@ -17,7 +17,7 @@ from typing import Optional
 
 from etils import epath
 
-from pretrain import distributed
+from pretrain import distributed, signals
 from pretrain.errors import ConfigError
 
 LEASE_FILE = "RUNNING"
@@ -45,6 +45,7 @@ class Lease:
                     "started": time.time()}
     self._stop = threading.Event()
     self._beating: Optional[threading.Thread] = None
+    self._releasing = threading.Lock()
 
   def holder(self) -> Optional[dict]:
     """The lease as written, or None if there is none; an unreadable one counts as held until stale."""
@@ -74,12 +75,15 @@ class Lease:
     return note
 
   def release(self) -> None:
-    self._stop.set()
-    if self._beating is not None:
-      self._beating.join()
-      held = self.holder()
-      if held and held.get("token") == self._record["token"]:
-        self.path.unlink()
+    """Idempotent: a signal's watchdog may release it while the main thread is on its way to (pretrain.signals)."""
+    with self._releasing:
+      self._stop.set()
+      if self._beating is not None:
+        self._beating.join()
+        self._beating = None
+        held = self.holder()
+        if held and held.get("token") == self._record["token"]:
+          self.path.unlink()
 
   def _beat(self) -> None:
     self.path.write_text(json.dumps({**self._record, "heartbeat": time.time()}))
@@ -97,14 +101,15 @@ def held(model_dir: str, is_process_zero: bool):
   """The job's lease on model_dir for the block (process 0 holds it for all); yields the takeover line
   or None. Every process raises the ConfigError if process 0 could not take it."""
   lease, note, refused = Lease(model_dir), None, None
-  if is_process_zero:
+  with signals.on_exit(lease.release):  # from the start: a signal may end the process in the collective below
+    if is_process_zero:
+      try:
+        note = lease.acquire()
+      except ConfigError as e:
+        refused = str(e)
     try:
-      note = lease.acquire()
-    except ConfigError as e:
-      refused = str(e)
-  if distributed.any_process(refused is not None):
-    raise ConfigError(refused or f"{model_dir} is in use by another run (process 0 says which)")
-  try:
-    yield note
-  finally:
-    lease.release()
+      if distributed.any_process(refused is not None):
+        raise ConfigError(refused or f"{model_dir} is in use by another run (process 0 says which)")
+      yield note
+    finally:
+      lease.release()

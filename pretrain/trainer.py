@@ -13,7 +13,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
-from pretrain import checkpoints, lease, partitioning, run_files, steps
+from pretrain import checkpoints, lease, partitioning, run_files, signals, steps
 from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
@@ -129,6 +129,7 @@ def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, m
       "or raise WARMUP_STEPS, then resume")
 
 
+@signals.handled
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
           schedule: optax.Schedule, log_every_steps: int = 10, checkpoint_every_steps: int = 1000,
@@ -143,6 +144,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   at the step they agree on, and return; the same command resumes there. A damaged newest checkpoint
   is set aside for the newest intact one; a checkpoint that storage refuses is written again
   (`save_attempts`); another live run on model_dir stops this one before it starts (`pretrain.lease`).
+  SIGTERM or Ctrl-C before the first step stops the run, saying where it was (`pretrain.signals`).
 
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
@@ -160,6 +162,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   directory = epath.Path(model_dir)
   if directory.exists() and not directory.is_dir():
     raise ConfigError(f"MODEL_DIR={model_dir!r} is a file; it must be a directory (or not exist yet)")
+  signals.at("reading the task and building the input pipeline")
   family = fitted_family(family, mixture_or_task_name, task_feature_lengths)
   mesh = partitioning.make_mesh(mesh_shape, num_slices=num_slices)
   setup = steps.make_setup(family, task_feature_lengths, batch_size, mesh, optimizer, schedule, microbatches,
@@ -172,11 +175,13 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)
+    signals.at("opening the train input (tokenizing it on first use)")
     with user_settings():  # an empty corpus, text the objective makes no example of, a TOKEN_DIR of another vocabulary
       train_iterator = data.iterator("train", say=say)
       if eval_every_steps and data.has_split("validation"):
         data.check_examples("validation", say=say)  # now, not at the first eval
     saver = checkpoints.Saver(model_dir, keep_checkpoints, train_iterator, run_config.to_json(), say, save_attempts)
+    signals.at("restoring or initializing the train state")
     state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed)
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
     if took_over:
@@ -193,7 +198,12 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
 
     losses, step, preempted = [], int(state.step), False
     # The first batch's start-up (reading, tokenizing, filling buffers) happens once: not counted as waiting.
+    signals.at("waiting for the first batch")
     batch = partitioning.global_batch(next(train_iterator), mesh) if step < train_steps else None
+    if batch is not None:  # compiled here, not at the first step, so that a signal meanwhile stops the run
+      signals.at("compiling the train step")
+      step_fn = step_fn.lower(state, batch).compile()
+    signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
 
     def logged(s: int) -> bool:

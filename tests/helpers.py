@@ -93,6 +93,18 @@ def run_train(capsys, tmp_path, *args):
   return exited.value.code, capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def largest_array_file(step_dir):
+  """The biggest file of a checkpoint step's array data (orbax's `state/**/d/*`)."""
+  return max((p for p in (Path(step_dir) / "state").rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip_a_bit(path):
+  """Damages a file for real: one bit in its middle is flipped on disk (any path with read/write_bytes)."""
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x08
+  path.write_bytes(bytes(data))
+
+
 def logged_losses(model_dir):
   """step -> training loss from metrics.jsonl; a resumed run's rows come later and win."""
   rows = [json.loads(line) for line in (Path(model_dir) / "metrics.jsonl").read_text().splitlines()]

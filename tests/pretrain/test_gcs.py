@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from helpers import ROOT, SMALL_BERT, module_command, train
+from helpers import ROOT, SMALL_BERT, flip_a_bit, module_command, train
 
 STEPS, STOP_AT = 6, 3
 
@@ -83,6 +83,25 @@ def test_outputs_of_a_run_land_in_the_bucket(gcs_runs, gcs_data):
   assert len(events) == 1 and events[0].name.startswith("events.out.tfevents.")
   assert _logged_scalars(events[0], "loss") == [r["loss"] for r in metrics_rows(model_dir)]
   assert not (model_dir / "RUNNING").exists()  # the lease is given back
+
+
+def test_a_damaged_newest_checkpoint_in_the_bucket_is_set_aside(gcs_runs, gcs_bucket, gcs_data, capsys):
+  """A bit flipped in the newest checkpoint's array data, in the bucket: the resume names it, moves it to
+  MODEL_DIR/damaged/<step> in the bucket, and restores the older one."""
+  import fsspec
+  from etils import epath
+  bucket, model_dir = fsspec.filesystem("gs"), f"{gcs_bucket}/damaged_run"
+  bucket.copy(f"{gcs_runs['straight']}/checkpoints", f"{model_dir}/checkpoints", recursive=True)
+  state = bucket.find(f"{model_dir}/checkpoints/{STEPS}/state", detail=True)
+  arrays = {path: info["size"] for path, info in state.items() if "/d/" in path}
+  flip_a_bit(epath.Path(f"gs://{max(arrays, key=arrays.get)}"))
+  capsys.readouterr()
+  assert train("bert_tiny_demo", model_dir, STOP_AT, bindings(gcs_data))["steps"] == STOP_AT  # restores, trains none
+  out = capsys.readouterr().out
+  assert (f"checkpoint {model_dir}/checkpoints/{STEPS} is damaged: the data of " in out and "(checksum mismatch); set "
+          f"aside in {model_dir}/damaged/{STEPS}\n" in out), out
+  assert f"resumed from step {STOP_AT} in {model_dir}/checkpoints" in out
+  assert bucket.exists(f"{model_dir}/damaged/{STEPS}/state") and not bucket.exists(f"{model_dir}/checkpoints/{STEPS}")
 
 
 def _logged_scalars(event_file, tag):

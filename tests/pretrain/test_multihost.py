@@ -1,11 +1,13 @@
 """Multi-process training on CPU (launch.local): two processes train like one at the same global batch,
-only process 0 reports; a preemption notice to one process makes both save the step they agree on and
-exit 0, and both resume there; after one process is killed, the last checkpoint continues exactly, data
-position included, on one process.
+only process 0 reports; SIGTERM to process 0 during the start-up stops both within seconds; a preemption
+notice to one process makes both save the step they agree on and exit 0; a damaged newest checkpoint is
+set aside once and both resume from the same older one; Ctrl-C twice stops both at once, and the last
+checkpoint continues exactly, data position included, on one process.
 
-One two-process run serves all the tests: it trains until process 1 gets SIGTERM, resumes, and trains
-on until process 1 is killed after the next periodic checkpoint. The reference run and the resume
-after the kill train in this process, on its one device.
+One two-process run serves all the tests: it is stopped by SIGTERM to process 0 as soon as it holds its
+lease, starts again and trains until process 1 gets SIGTERM; a bit of the checkpoint saved then is
+flipped; it resumes, and trains on until Ctrl-C twice after the next periodic checkpoint. The reference
+run and the resume after Ctrl-C train in this process, on its one device.
 """
 import os
 import signal
@@ -17,12 +19,12 @@ import gin
 import numpy as np
 import pytest
 
-from helpers import logged_losses, module_command, run_module, start_module
+from helpers import flip_a_bit, largest_array_file, logged_losses, module_command, run_module, start_module
 from pretrain import cli
 from pretrain import train as train_program
 
 TRAIN_STEPS = 30
-PREEMPT_AFTER_STEP = 3
+PREEMPT_AFTER_STEP = 6  # after the checkpoint of step 5, which the damaged one's resume falls back on
 # DATA_SHARDS=2 fixes the global batch's seqio shards, whatever the number of processes reading them.
 RUN = ["--gin_file=gin_configs/runs/bert_tiny_demo.gin", "--gin_bindings=bert.BertConfig.hidden_size = 64",
        "--gin_bindings=bert.BertConfig.mlp_dim = 128",
@@ -102,28 +104,69 @@ def _preempted(model_dir):
   return {"output": output, "returncode": launcher.returncode, "checkpoints": _finished_checkpoints(model_dir)}
 
 
-def _killed(model_dir, after_checkpoint: int):
-  """Two processes resuming, until process 1 is killed once a checkpoint past `after_checkpoint` is complete."""
+def _stopped_in_start_up(model_dir):
+  """Two processes starting, until process 0 gets SIGTERM once it holds the MODEL_DIR's lease: its start-up
+  has seconds to go (the input, the state, compiling) while process 1 waits for it in a collective."""
+  launcher = start_module("launch.local", *two_processes(model_dir, TRAIN_STEPS), stderr=subprocess.STDOUT)
+  deadline = time.time() + 300
+  while not (Path(model_dir) / "RUNNING").exists():
+    assert launcher.poll() is None and time.time() < deadline, "the run ended before it took its lease"
+    time.sleep(0.01)
+  os.kill(_child_with_process_id(launcher.pid, 0), signal.SIGTERM)
+  signalled = time.monotonic()
+  output = launcher.communicate(timeout=120)[0]
+  return {"output": output, "returncode": launcher.returncode, "seconds": time.monotonic() - signalled}
+
+
+def _interrupted_twice(model_dir, after_checkpoint: int):
+  """Two processes resuming, until Ctrl-C (SIGINT to launch.local) once a checkpoint past `after_checkpoint`
+  is complete, and Ctrl-C again once both processes have said what the first one does."""
   launcher = start_module("launch.local", *two_processes(model_dir, TRAIN_STEPS), stderr=subprocess.STDOUT)
   deadline = time.time() + 300
   while not any(s > after_checkpoint for s in _finished_checkpoints(model_dir)):
     assert launcher.poll() is None and time.time() < deadline, "the run ended before its next checkpoint"
     time.sleep(0.05)
-  os.kill(_child_with_process_id(launcher.pid, 1), signal.SIGKILL)
-  output = launcher.communicate(timeout=120)[0]
-  return {"output": output, "returncode": launcher.returncode, "latest": max(_finished_checkpoints(model_dir))}
+  launcher.send_signal(signal.SIGINT)
+  lines = []
+  for line in launcher.stdout:
+    lines.append(line)
+    if sum("] Ctrl-C: every process finishes its step" in line for line in lines) == 2:
+      break
+  launcher.send_signal(signal.SIGINT)
+  again = time.monotonic()
+  output = "".join(lines) + launcher.communicate(timeout=120)[0]
+  return {"output": output, "returncode": launcher.returncode, "seconds": time.monotonic() - again,
+          "latest": max(_finished_checkpoints(model_dir))}
 
 
 @pytest.fixture(scope="module")
 def interrupted_run(tmp_path_factory):
-  """Two processes training TRAIN_STEPS steps: preempted (SIGTERM to process 1), resumed, then process 1
-  killed (SIGKILL) after the next checkpoint."""
+  """Two processes training TRAIN_STEPS steps: stopped in their start-up (SIGTERM to process 0), started
+  again and preempted (SIGTERM to process 1); the newest checkpoint damaged; resumed, then stopped by
+  Ctrl-C twice after the next checkpoint."""
   model_dir = tmp_path_factory.mktemp("two_processes")
+  stopped = _stopped_in_start_up(model_dir)
+  left_after_start_up = sorted(p.name for p in model_dir.rglob("*"))
   preempted = _preempted(model_dir)
-  killed = _killed(model_dir, after_checkpoint=max(preempted["checkpoints"], default=0))
-  return {"model_dir": model_dir, "preempted": preempted, "output": preempted["output"] + killed["output"],
-          "returncode": killed["returncode"], "killed_output": killed["output"],
-          "losses": logged_losses(model_dir), "latest": killed["latest"]}
+  damaged = preempted["checkpoints"][-1]
+  flip_a_bit(largest_array_file(model_dir / "checkpoints" / str(damaged)))
+  interrupted = _interrupted_twice(model_dir, after_checkpoint=damaged)
+  return {"model_dir": model_dir, "stopped": stopped, "left_after_start_up": left_after_start_up,
+          "preempted": preempted, "damaged": damaged, "output": preempted["output"] + interrupted["output"],
+          "interrupted": interrupted, "losses": logged_losses(model_dir), "latest": interrupted["latest"]}
+
+
+def test_sigterm_during_start_up_stops_both_processes_within_seconds(interrupted_run):
+  """Each says where it was; the lease is released and nothing is half-written."""
+  stopped = interrupted_run["stopped"]
+  assert stopped["returncode"] == 128 + signal.SIGTERM, stopped["output"][-3000:]
+  assert stopped["seconds"] < 20, stopped["output"][-3000:]
+  for process in (0, 1):
+    said = [line for line in lines_of(stopped["output"], process) if line.startswith("stopped by SIGTERM while ")]
+    assert len(said) == 1 and ", before the first step: nothing was saved" in said[0], stopped["output"][-3000:]
+  assert "Traceback" not in stopped["output"], stopped["output"][-3000:]
+  assert "RUNNING" not in interrupted_run["left_after_start_up"]
+  assert not [name for name in interrupted_run["left_after_start_up"] if ".tmp" in name]
 
 
 def test_sigterm_to_one_process_makes_both_save_one_step_and_exit_0(interrupted_run):
@@ -132,7 +175,27 @@ def test_sigterm_to_one_process_makes_both_save_one_step_and_exit_0(interrupted_
   saved = preempted["checkpoints"][-1]
   assert saved >= PREEMPT_AFTER_STEP
   assert f"preempted: saved a checkpoint at step {saved}" in "\n".join(lines_of(preempted["output"], 0))
-  assert f"resumed from step {saved}" in "\n".join(lines_of(interrupted_run["killed_output"], 0))
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_once_and_both_processes_resume_the_older_one(interrupted_run):
+  """Set aside by process 0 alone, named once; both processes restore step 5 (their losses from there on
+  are one run's: test_two_processes_train_like_one...)."""
+  model_dir, damaged = interrupted_run["model_dir"], interrupted_run["damaged"]
+  said = lines_of(interrupted_run["interrupted"]["output"], 0)
+  named = [line for line in said if " is damaged: " in line]
+  assert len(named) == 1 and named[0].startswith(f"checkpoint {model_dir / 'checkpoints' / str(damaged)} is damaged")
+  assert "checksum mismatch" in named[0] and named[0].endswith(f"set aside in {model_dir / 'damaged' / str(damaged)}")
+  assert f"resumed from step 5 in {model_dir / 'checkpoints'}" in said
+  assert [p.name for p in (model_dir / "damaged").iterdir()] == [str(damaged)]
+  assert not [line for line in lines_of(interrupted_run["interrupted"]["output"], 1) if "damaged" in line]
+
+
+def test_ctrl_c_makes_both_save_and_a_second_one_stops_both_at_once(interrupted_run):
+  interrupted = interrupted_run["interrupted"]
+  assert interrupted["returncode"] == 128 + signal.SIGINT, interrupted["output"][-3000:]
+  assert interrupted["seconds"] < 5, interrupted["output"][-3000:]
+  for process in (0, 1):
+    assert "Ctrl-C again: stopping at once; nothing more is saved" in lines_of(interrupted["output"], process)
 
 
 def test_two_processes_train_like_one_and_only_process_0_reports(interrupted_run, one_process_losses):
@@ -147,12 +210,11 @@ def test_two_processes_train_like_one_and_only_process_0_reports(interrupted_run
   assert (iterators / "shard_0_of_2.index").exists() and (iterators / "shard_1_of_2.index").exists()
 
 
-def test_after_a_killed_process_the_last_checkpoint_continues_exactly_on_one_process(interrupted_run,
-                                                                                      one_process_losses):
-  """Params, optimizer state and the data position saved by two processes of two devices, one of them
-  then killed, resume on one process of one device (the same DATA_SHARDS): the next steps' losses are
-  the uninterrupted run's."""
-  assert interrupted_run["returncode"] != 0 and "process 1 exited" in interrupted_run["killed_output"]
+def test_after_a_stop_at_once_the_last_checkpoint_continues_exactly_on_one_process(interrupted_run,
+                                                                                   one_process_losses):
+  """Params, optimizer state and the data position saved by two processes of two devices, stopped at once,
+  resume on one process of one device (the same DATA_SHARDS): the next steps' losses are the
+  uninterrupted run's."""
   model_dir, latest = interrupted_run["model_dir"], interrupted_run["latest"]
   steps = range(latest + 1, latest + 4)
   assert steps[-1] <= TRAIN_STEPS, "process 1 was killed too late"

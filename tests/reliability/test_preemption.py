@@ -1,40 +1,49 @@
-"""A preemption notice (SIGTERM) costs no steps: the run saves the step it reached and exits 0, and the
-same command resumes there with the losses of a run that was never interrupted."""
+"""A preemption notice (SIGTERM), or Ctrl-C, costs no steps: the run saves the step it reached and exits 0,
+and the same command resumes there with the losses of a run that was never interrupted. Before the first
+step a signal stops the run at once, leaving nothing half-written. (tests/pretrain/test_multihost.py sends
+them to two processes.)"""
+import os
 import signal
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from helpers import SMALL_BERT, logged_losses, small_bert_flags, start_module, train
+from pretrain import trainer
+from pretrain.errors import Interrupted
 
 TRAIN_STEPS = 400  # far more than run before the signal arrives: the schedule is pinned to this length
 SCHEDULE = [f"optimizers.warmup_linear_decay.total_steps = {TRAIN_STEPS}", "LOG_EVERY_STEPS = 1",
             "CHECKPOINT_EVERY_STEPS = 1000"]  # no periodic checkpoint before the preemption
 
 
-def start_then_preempt(model_dir, after_step: int):
-  """Starts pretrain.train, sends SIGTERM once it has logged `after_step`; returns (exit code, output)."""
+def start_then_interrupt(model_dir, after_step: int):
+  """Starts pretrain.train, sends SIGINT (Ctrl-C) once it has logged `after_step`; returns (exit code, output)."""
   flags = [*small_bert_flags(model_dir, TRAIN_STEPS), *[f"--gin_bindings={b}" for b in SCHEDULE]]
   run = start_module("pretrain.train", *flags, stderr=subprocess.STDOUT)
   lines, deadline = [], time.time() + 300
   for line in run.stdout:
     lines.append(line)
     if f"step {after_step:>6d}/" in line:
-      run.send_signal(signal.SIGTERM)
+      run.send_signal(signal.SIGINT)
       break
     assert time.time() < deadline, "".join(lines[-20:])
   output = "".join(lines) + run.communicate(timeout=120)[0]
   return run.returncode, output
 
 
-def test_sigterm_saves_the_step_reached_and_the_restart_loses_nothing(tmp_path):
+def test_ctrl_c_saves_the_step_reached_as_a_preemption_and_the_restart_loses_nothing(tmp_path):
   preempted = tmp_path / "preempted"
-  code, output = start_then_preempt(preempted, after_step=3)
+  code, output = start_then_interrupt(preempted, after_step=3)
   assert code == 0, output[-3000:]
   saved = [int(p.name) for p in (preempted / "checkpoints").iterdir() if p.name.isdigit()]
   assert len(saved) == 1 and 3 <= saved[0] < TRAIN_STEPS, saved
   step = saved[0]
+  assert "Ctrl-C: every process finishes its step, then they save a checkpoint at one step" in output
   assert f"preempted: saved a checkpoint at step {step}" in output
   assert max(logged_losses(preempted)) == step  # it stopped at the step it saved
 
@@ -45,3 +54,31 @@ def test_sigterm_saves_the_step_reached_and_the_restart_loses_nothing(tmp_path):
   a, b = logged_losses(straight), logged_losses(preempted)
   assert sorted(b) == list(range(1, step + 4))
   np.testing.assert_array_equal([a[s] for s in sorted(a)], [b[s] for s in sorted(a)])  # bitwise on CPU
+
+
+def test_sigterm_during_start_up_stops_the_run_leaving_nothing_half_written(tmp_path, demo_paths, monkeypatch):
+  """SIGTERM while XLNet tokenizes its corpus on first use (here, in this process): the run stops, saying so,
+  with no part of a token file left behind and its MODEL_DIR's lease released."""
+  corpus = tmp_path / "corpus.txt"  # a corpus of its own, so that it is tokenized now, and big enough to take seconds
+  corpus.write_text(Path(demo_paths["train"]).read_text() * 6)
+  cache, model_dir = tmp_path / "cache", tmp_path / "run"
+  monkeypatch.setenv("POD_PRETRAIN_CACHE", str(cache))
+
+  def terminate_once_a_part_is_being_written():
+    while not any(p.stat().st_size for p in cache.rglob("*.tmp-*")):
+      time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  def said(line):
+    print(line)
+    if line.startswith("tokenizing"):
+      threading.Thread(target=terminate_once_a_part_is_being_written, daemon=True).start()
+
+  monkeypatch.setattr(trainer, "say", said)
+  started = time.monotonic()
+  with pytest.raises(Interrupted, match="stopped by SIGTERM while opening the train input .*: nothing was saved") as e:
+    train("xlnet_tiny_demo", model_dir, 5, [f"TRAIN_FILES = '{corpus}'", f"VOCAB_MODEL = '{demo_paths['vocab_model']}'",
+                                            "VALIDATION_FILES = None"])
+  assert e.value.exit_code == 128 + signal.SIGTERM and time.monotonic() - started < 60
+  assert [p.name for p in cache.rglob("*") if p.is_file()] == []  # the part being written is gone
+  assert sorted(p.name for p in model_dir.iterdir()) == ["vocab.model"]  # no lease, no checkpoint

@@ -1,11 +1,14 @@
 """Storage that refuses a checkpoint: a passing fault is retried until the save lands; a lasting one
 stops the run with one line saying which step is not saved and which is. The faults are real: the
 checkpoint directory is made immutable (chattr +i), which refuses even root's writes, then its disk (a
-small tmpfs) fills up."""
+small tmpfs) fills up. The faults being handled, no library's traceback of them shows."""
 import errno
+import gc
+import logging
 import subprocess
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -38,9 +41,10 @@ def fill_up(disk):
     assert e.errno == errno.ENOSPC, e
 
 
-def test_a_passing_fault_is_retried_and_a_full_disk_stops_the_run(small_disk, monkeypatch, capsys):
+def test_a_passing_fault_is_retried_and_a_full_disk_stops_the_run(small_disk, monkeypatch, capsys, caplog):
   """Storage refuses the step-2 save for about a second (retried: it lands); then the disk fills up and
-  metrics.jsonl is refused: the run goes on without its metrics (said once), and step 4 cannot be saved."""
+  metrics.jsonl is refused: the run goes on without its metrics (said once), and step 4 cannot be saved.
+  orbax's tracebacks of the failed saves, and its warnings about the parts it never awaited, are not shown."""
   model_dir = small_disk / "run"
   checkpoints_dir = model_dir / "checkpoints"
   lines = []
@@ -66,9 +70,11 @@ def test_a_passing_fault_is_retried_and_a_full_disk_stops_the_run(small_disk, mo
 
   threading.Thread(target=refuse_once_made, daemon=True).start()
   try:
-    with pytest.raises(TrainingStopped) as stopped:
-      train("bert_tiny_demo", model_dir, 6,
-            SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 2", "SAVE_ATTEMPTS = 2", "LOG_EVERY_STEPS = 1"])
+    with warnings.catch_warnings(record=True) as warned:  # as shown: the filters in force are kept
+      with pytest.raises(TrainingStopped) as stopped:
+        train("bert_tiny_demo", model_dir, 6,
+              SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 2", "SAVE_ATTEMPTS = 2", "LOG_EVERY_STEPS = 1"])
+      gc.collect()  # the coroutines never awaited are reported when they are collected
   finally:
     immutable(checkpoints_dir, False)
     immutable(model_dir / "metrics.jsonl", False)
@@ -84,3 +90,15 @@ def test_a_passing_fault_is_retried_and_a_full_disk_stops_the_run(small_disk, mo
   assert "No space left on device" in message, message
   assert "the train state of step 4 is NOT saved; the newest saved checkpoint is step 2" in message
   assert sorted(p.name for p in checkpoints_dir.iterdir() if p.name.isdigit()) == ["2"]
+  assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+  assert [str(w.message) for w in warned if "never awaited" in str(w.message)] == []
+
+
+def test_library_tracebacks_of_handled_faults_show_with_pod_pretrain_debug(monkeypatch):
+  from pretrain import checkpoints
+  record = logging.LogRecord("absl", logging.ERROR, "/site-packages/orbax/checkpoint/_src/futures/future.py", 1,
+                             "raised", (), (OSError, OSError(28, "No space left on device"), None))
+  shown = checkpoints._TracebacksOfHandledFaults().filter
+  assert not shown(record)
+  monkeypatch.setenv("POD_PRETRAIN_DEBUG", "1")
+  assert shown(record)

@@ -1,0 +1,213 @@
+"""SIGTERM and Ctrl-C (SIGINT) at any moment of a training run.
+
+Once training runs, SIGTERM belongs to JAX's preemption service (started by `jax.distributed.initialize`):
+every process finishes its step, they agree on one, save it and exit 0 (pretrain.trainer). Ctrl-C is
+passed on to it as a SIGTERM to this process, so it saves the same way; a second Ctrl-C exits at once.
+
+Before the first step there is nothing to save, and the service would only note a SIGTERM: it acts at a
+step, which a start-up may never reach (a hung input, a peer gone). So from the moment the process joins
+its job (`hold_until_training`, or for the call of a `handled` function) until `training_begins`, the
+first SIGTERM or Ctrl-C says where the start-up was, in one line, and raises `Interrupted` in the main
+thread, whose unwinding removes what is half-written and releases the lease. If the main thread is
+stuck in native code (a collective whose peer is gone, a compile), a watchdog thread runs the exits
+registered with `on_exit` (the lease) and ends the process after GRACE_SECONDS; a second signal ends it
+at once.
+
+The watchdog reads the signals from Python's wakeup file descriptor, which the interpreter writes from its
+C signal handler: unlike a Python handler, that reaches a thread whatever the main thread is doing.
+"""
+import contextlib
+import ctypes
+import functools
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Callable, List, Optional
+
+from pretrain.errors import Interrupted
+
+GRACE_SECONDS = 3.0  # for the main thread to unwind before the watchdog ends the process for it
+_HANDLED = (signal.SIGTERM, signal.SIGINT)
+_STOP_WATCHING = 0  # written to the wakeup pipe when the run ends; no signal has this number
+_libc = ctypes.CDLL(None, use_errno=True)
+_SIGACTION_BYTES = 256  # more than any platform's struct sigaction, kept whole and never read field by field
+
+
+def _disposition(signum: int) -> ctypes.Array:
+  """How the OS handles `signum` now, whoever set it (JAX's C++ handler too): Python's signal module
+  cannot give back a handler that it did not install."""
+  saved = ctypes.create_string_buffer(_SIGACTION_BYTES)
+  if _libc.sigaction(signum, None, saved) != 0:
+    raise OSError(ctypes.get_errno(), f"sigaction({signum})")
+  return saved
+
+
+def _set_disposition(signum: int, saved: ctypes.Array) -> None:
+  if _libc.sigaction(signum, saved, None) != 0:
+    raise OSError(ctypes.get_errno(), f"sigaction({signum})")
+
+
+def _is_default(saved: ctypes.Array) -> bool:
+  """SIG_DFL (0) or SIG_IGN (1) in sa_handler, the struct's first field."""
+  return ctypes.c_void_p.from_buffer(saved).value in (None, 1)
+
+
+def _say(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
+
+
+def _name(signum: int) -> str:
+  return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+class _Run:
+  """What the signals do in this process until `_stop`: the watchdog thread decides, the main thread's
+  Python handler only raises what it decided."""
+
+  def __init__(self):
+    self.phase = "starting"
+    self.training = False
+    self.passes_ctrl_c = False  # to JAX's preemption service, once training runs where it does
+    self.stop: Optional[Interrupted] = None  # what the start-up was stopped by
+    self.raised = False
+    self.interrupted = False  # by Ctrl-C during training: a save is under way
+    self.exits: List[Callable[[], None]] = []
+    self.previous = {signum: (signal.getsignal(signum), _disposition(signum)) for signum in _HANDLED}
+    self.decided = threading.Event()
+    self.unwound = threading.Event()
+    read_end, self.wakeup = os.pipe()
+    os.set_blocking(self.wakeup, False)
+    self.previous_wakeup = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
+    self.watchdog = threading.Thread(target=self.watch, args=(read_end,), daemon=True, name="signal-watchdog")
+    self.watchdog.start()
+    for signum in _HANDLED:
+      signal.signal(signum, self.in_main_thread)
+
+  def in_main_thread(self, signum, frame) -> None:
+    if self.training:
+      return  # Ctrl-C: the watchdog passes it on
+    self.decided.wait(1.0)  # the watchdog reads the same signal at once
+    if self.stop is not None and not self.raised:
+      self.raised = True
+      raise self.stop
+
+  def watch(self, wakeup: int) -> None:
+    deadline = None
+    while True:
+      timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+      if not select.select([wakeup], [], [], timeout)[0]:  # the main thread did not unwind in time
+        self.exit_now(self.stop.exit_code)
+        deadline = None
+        continue
+      signum = os.read(wakeup, 1)[0]
+      if signum == _STOP_WATCHING:
+        os.close(wakeup)
+        return
+      if signum not in _HANDLED or (self.training and not self.passes_ctrl_c):
+        continue
+      if self.training and not self.interrupted:
+        self.interrupted = True
+        _say("Ctrl-C: every process finishes its step, then they save a checkpoint at one step and stop, as for a "
+             "preemption; Ctrl-C again stops at once, saving nothing")
+        os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption service takes it from here
+      elif self.training or self.stop is not None:
+        _say(f"{_name(signum)} again: stopping at once; nothing more is saved")
+        self.exit_now(128 + signum)
+      else:
+        self.stop = Interrupted(f"stopped by {_name(signum)} while {self.phase}, before the first step: nothing was "
+                                "saved or left half-written; the same command starts again", 128 + signum)
+        _say(str(self.stop))
+        self.decided.set()
+        deadline = time.monotonic() + GRACE_SECONDS
+
+  def exit_now(self, code: int) -> None:
+    if self.unwound.is_set():  # the main thread got out after all: it ends the process itself
+      return
+    for release in reversed(self.exits):
+      with contextlib.suppress(Exception):  # ending is what matters now
+        release()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+  def restore(self, signum: int) -> None:
+    """`signum` as it was handled before the run."""
+    python_handler, saved = self.previous[signum]
+    if python_handler is not None:  # None: one that Python did not install
+      signal.signal(signum, python_handler)  # Python's own record of the handler,
+    _set_disposition(signum, saved)  # and the OS's, which may be a handler that Python did not install
+
+  def end(self) -> None:
+    self.unwound.set()
+    for signum in _HANDLED:
+      self.restore(signum)
+    signal.set_wakeup_fd(self.previous_wakeup)
+    os.write(self.wakeup, bytes([_STOP_WATCHING]))
+    self.watchdog.join()
+    os.close(self.wakeup)
+
+
+_current: Optional[_Run] = None
+
+
+def hold_until_training() -> None:
+  """Start-up handling from now on in this process (called as it joins its job, which gives SIGTERM to JAX),
+  until the `handled` function that trains returns; in the main thread only, where signals are handled."""
+  global _current
+  if _current is None and threading.current_thread() is threading.main_thread():
+    _current = _Run()
+
+
+def handled(fn):
+  """Runs `fn` with SIGTERM and Ctrl-C handled as the module says, from `hold_until_training` if that came
+  first; outside the main thread, where signals cannot be handled, as it is."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    global _current
+    if threading.current_thread() is not threading.main_thread():
+      return fn(*args, **kwargs)
+    hold_until_training()
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      _current.end()
+      _current = None
+
+  return wrapper
+
+
+def at(phase: str) -> None:
+  """Where the start-up is, for the line that a signal prints ('compiling the train step')."""
+  if _current is not None:
+    _current.phase = phase
+
+
+def training_begins() -> None:
+  """From here SIGTERM is JAX's preemption service's again, and Ctrl-C is passed on to it; where the service
+  does not run (a process that joined no job), both signals do what they did before."""
+  run = _current
+  if run is None:
+    return
+  run.passes_ctrl_c = not _is_default(run.previous[signal.SIGTERM][1])
+  run.training = True
+  run.restore(signal.SIGTERM)
+  if not run.passes_ctrl_c:
+    run.restore(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def on_exit(release: Callable[[], None]):
+  """Runs `release` if a signal ends the process while the block runs (the block's own exit runs it otherwise)."""
+  run = _current
+  if run is None:
+    yield
+    return
+  run.exits.append(release)
+  try:
+    yield
+  finally:
+    run.exits.remove(release)

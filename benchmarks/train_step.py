@@ -1,10 +1,11 @@
-"""Our training step against HuggingFace transformers' PyTorch one, on this machine's CPU.
+"""Our training step against HuggingFace transformers' PyTorch one, on one CPU, GPU or TPU.
 
   python benchmarks/train_step.py [--families=bert,albert,xlnet,bart] [--sizes=tiny,small] [--repeats=10]
-  python benchmarks/train_step.py --families=xlnet --sizes=small --repeats=20
+  python benchmarks/train_step.py --device=gpu --sizes=large --attention=xla,auto
+  python benchmarks/train_step.py --device=gpu --sizes=large --families=bert --attention_dropout=0
 
 For each family and size, builds our model exactly as pretrain.train does (the family fitted to a
-32000-piece vocabulary, `steps.make_setup` on a one-device CPU mesh, fp32, the default AdamW of
+32000-piece vocabulary, `steps.make_setup` on a one-device mesh, the default AdamW of
 gin_configs/runs/pretrain.gin with clipping at 1.0, `steps.jit_train_step`) and the transformers model
 of the same dimensions, built from its config through `pretrain.registry`'s mapping and loaded with our
 initial weights (no download): BertForPreTraining (MLM + NSP), AlbertForPreTraining (MLM + SOP),
@@ -15,29 +16,46 @@ family computes (benchmarks/hf_reference.py builds both sides). Both take the sa
 objective's shapes, in train mode (dropout on), and a step is forward, backward and the optimizer's
 update.
 
-After `--warmup` steps of each (ours compiles in its first), the steps are timed interleaved, ours then
-theirs, `--repeats` times; prints the median tokens per second of each (input tokens of a batch:
-encoder plus decoder for BART) and the ratio ours / HF. Torch uses as many threads as the machine has
-CPUs; XLA's CPU backend uses its own pool of the same size.
+On the CPU both compute in fp32. On a GPU (`--device=gpu`) ours computes in bf16 with fp32 parameters, as
+the run files do, and transformers runs with bf16 autocast, fused AdamW and its default attention for
+the model (sdpa, or eager where it has none: XLNet), named in the table. `--attention` lists our
+attention implementations to time side by side (models/layers.py: xla, cudnn, pallas, auto); the fused
+kernels have no dropout on the attention probabilities, so where the model drops them out in training
+(BERT: 0.1) our step runs XLA's attention whatever is chosen; `--attention_dropout=0` sets that rate to 0
+on both sides, to time the kernels there too.
+
+After `--warmup` steps of each (ours compiles ahead of its first), the steps are timed interleaved,
+ours then theirs, `--repeats` times; prints the median step time and tokens per second of each (input
+tokens of a batch: encoder plus decoder for BART), the ratio ours / HF, MFU (model FLOPs per step as
+`pretrain.plan` counts them, over the device's peak, for both sides), peak memory (ours: XLA's footprint
+of the compiled step; HF: torch's maximum allocated during its steps) and our initialisation and
+compile times. Torch uses as many threads as the machine has CPUs; XLA's CPU backend uses its own pool
+of the same size.
 
 Sizes: tiny = hidden 128, 2 layers (BART 2 + 2), 2 heads, sequence 128, batch 16; small = hidden 256,
 4 layers (BART 4 + 4), 4 heads, sequence 256, batch 8. Feed-forward 4 x hidden, ALBERT's embedding
 hidden / 2; MLM predicts 20 (40) positions; XLNet reuses half the sequence, predicts 21 (42) positions
-and carries a memory of 3/4 of the sequence (96, 192) from step to step, in both models.
+and carries a memory of 3/4 of the sequence (96, 192) from step to step, in both models. large = the run
+files' models (gin_configs/models/bert_large.gin, albert_xxlarge.gin, xlnet_large.gin, bart_large.gin)
+at sequence 512 with their objectives' settings (BERT and ALBERT predict 77 positions, XLNet 85 with a
+memory of 384), batch 32 (BERT), 8 (ALBERT-xxlarge) and 16 (XLNet, BART).
 """
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import sys
 import time
 import warnings
 
-from pretrain import cli
-
 FAMILY_NAMES = ("bert", "albert", "xlnet", "bart")
+DEVICES = ("cpu", "gpu", "tpu")
+ATTENTION_CHOICES = ("xla", "cudnn", "pallas", "auto")
 VOCAB_SIZE = 32000
 LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS = 1e-4, 10, 10000  # the schedule's shape only; no run ends
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +69,12 @@ class Size:
 
 SIZES = {"tiny": Size(hidden=128, layers=2, heads=2, seq=128, batch=16),
          "small": Size(hidden=256, layers=4, heads=4, seq=256, batch=8)}
+# The run files' models: (model gin, objective gin, TASK_FEATURE_LENGTHS over the objective's, batch).
+LARGE = {"bert": ("bert_large", "bert_mlm_nsp", {"input_ids": 512, "masked_positions": 77}, 32),
+         "albert": ("albert_xxlarge", "albert_mlm_sop", None, 8),
+         "xlnet": ("xlnet_large", "xlnet_plm", None, 16),
+         "bart": ("bart_large", "bart_denoising", None, 16)}
+SIZE_NAMES = tuple(SIZES) + ("large",)
 
 
 def names(text: str, known) -> list:
@@ -66,18 +90,24 @@ def make_parser() -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--families", type=lambda s: names(s, FAMILY_NAMES), default=list(FAMILY_NAMES),
                       help=f"comma-separated, of {','.join(FAMILY_NAMES)} (default: all)")
-  parser.add_argument("--sizes", type=lambda s: names(s, tuple(SIZES)), default=list(SIZES),
-                      help=f"comma-separated, of {','.join(SIZES)} (default: both)")
+  parser.add_argument("--sizes", type=lambda s: names(s, SIZE_NAMES), default=list(SIZES),
+                      help=f"comma-separated, of {','.join(SIZE_NAMES)} (default: tiny,small)")
+  parser.add_argument("--device", choices=DEVICES, default="cpu", help="where both sides run (default: cpu)")
+  parser.add_argument("--attention", type=lambda s: names(s, ATTENTION_CHOICES), default=["auto"],
+                      help="our attention implementations to time side by side (default: auto)")
+  parser.add_argument("--attention_dropout", type=float, default=None,
+                      help="the attention-probability dropout of BERT, ALBERT and BART on both sides (default: "
+                           "the model's)")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps of each, interleaved; medians are printed")
-  parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (ours compiles in the first)")
+  parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (ours compiles before them)")
   return parser
 
 
 # ----------------------------------------------------------------------------- one family at one size
 
 
-def family_and_lengths(name: str, size: Size):
-  """(our family with the run's vocabulary left unset, its objective, TASK_FEATURE_LENGTHS)."""
+def sized_family(name: str, size: Size):
+  """(our family with the run's vocabulary left unset, TASK_FEATURE_LENGTHS) of a tiny or small size."""
   from models.albert import AlbertConfig
   from models.bart import BartConfig
   from models.bert import BertConfig
@@ -90,19 +120,47 @@ def family_and_lengths(name: str, size: Size):
   mlm_lengths = {"input_ids": seq, "masked_positions": 20 * seq // 128}
   if name == "bert":
     config = BertConfig(vocab_size=None, hidden_size=h, num_layers=layers, num_heads=heads, mlp_dim=4 * h)
-    return BertFamily(config=config), "bert_mlm_nsp", mlm_lengths
+    return BertFamily(config=config), mlm_lengths
   if name == "albert":
     config = AlbertConfig(vocab_size=None, embedding_size=h // 2, hidden_size=h, num_layers=layers, num_heads=heads,
                           mlp_dim=4 * h)
-    return AlbertFamily(config=config), "albert_mlm_sop", mlm_lengths
+    return AlbertFamily(config=config), mlm_lengths
   if name == "xlnet":
     config = XLNetConfig(vocab_size=None, d_model=h, n_layer=layers, n_head=heads, d_head=h // heads, d_inner=4 * h,
                          mem_len=3 * seq // 4, bi_data=True)
-    return XLNetFamily(config=config), "xlnet_plm", {"input_ids": seq, "target_ids": 21 * seq // 128,
-                                                     "reuse_len": seq // 2}
+    return XLNetFamily(config=config), {"input_ids": seq, "target_ids": 21 * seq // 128, "reuse_len": seq // 2}
   config = BartConfig(vocab_size=None, d_model=h, encoder_layers=layers, decoder_layers=layers, num_heads=heads,
                       ffn_dim=4 * h, max_position_embeddings=512)
-  return BartFamily(config=config), "bart_denoising", {"encoder_input_ids": seq, "decoder_input_ids": seq}
+  return BartFamily(config=config), {"encoder_input_ids": seq, "decoder_input_ids": seq}
+
+
+def run_file_family(name: str):
+  """(family, TASK_FEATURE_LENGTHS, batch) of the run files' large model, read from its gin files."""
+  import copy
+
+  import gin
+  model_file, objective_file, lengths, batch = LARGE[name]
+  gin.clear_config()
+  gin.add_config_file_search_path(REPO)
+  gin.parse_config_files_and_bindings(
+      [f"gin_configs/models/{model_file}.gin", f"gin_configs/objectives/{objective_file}.gin"], [])
+  family = copy.deepcopy(gin.query_parameter("%FAMILY"))  # gin calls a @reference's configurable as it copies it
+  return family, lengths or gin.query_parameter("%TASK_FEATURE_LENGTHS"), batch
+
+
+def family_and_lengths(name: str, size_name: str, device: str, attention_dropout):
+  """(family fitted to its vocabulary (tiny and small: 32000 pieces), in the device's compute dtype,
+  TASK_FEATURE_LENGTHS, batch size)."""
+  import jax.numpy as jnp
+  if size_name == "large":
+    family, lengths, batch = run_file_family(name)
+  else:
+    (family, lengths), batch = sized_family(name, SIZES[size_name]), SIZES[size_name].batch
+  changes = {"dtype": jnp.float32 if device == "cpu" else jnp.bfloat16}
+  if attention_dropout is not None and hasattr(family.config, "attention_dropout"):
+    changes["attention_dropout"] = attention_dropout
+  family = dataclasses.replace(family, config=dataclasses.replace(family.config, **changes))
+  return family.fitted(family.config.vocab_size or VOCAB_SIZE, lengths), lengths, batch
 
 
 def random_batch(family, batch_size: int, lengths, rng):
@@ -110,13 +168,13 @@ def random_batch(family, batch_size: int, lengths, rng):
   distinct masked positions, and for XLNet a factorisation order over its targets."""
   import numpy as np
 
-  from data_pipelines.vocab import FIRST_NORMAL_ID
+  from data_pipelines.pieces import FIRST_NORMAL_ID
   from pretrain.hf_mappings.bart import EOS_ID
   shapes = family.feature_shapes(batch_size, lengths)
   batch = {}
   for name, spec in shapes.items():
     if name.endswith("_ids") and name != "segment_ids":
-      batch[name] = rng.integers(FIRST_NORMAL_ID, VOCAB_SIZE, spec.shape)
+      batch[name] = rng.integers(FIRST_NORMAL_ID, family.config.vocab_size, spec.shape)
     elif name.endswith("_weights"):
       batch[name] = np.ones(spec.shape)
     elif name.endswith("_label"):
@@ -146,85 +204,176 @@ def random_batch(family, batch_size: int, lengths, rng):
   return {name: batch[name].astype(spec.dtype) for name, spec in shapes.items()}
 
 
-def ours_and_theirs(family, lengths, batch_size: int, numpy_batch, device):
-  """Our step as pretrain.train builds and runs it, and transformers' from the same initial weights: two
-  functions that each run one step on the batch and give its loss; ours has `.params`."""
-  from hf_reference import AdamWSettings, HFTrainer, OurTrainer
+def with_attention(family, implementation: str):
+  """The family with our model's attention set (XLNet's relative attention has one implementation)."""
+  if not hasattr(family.config, "attention_implementation"):
+    return family
+  return dataclasses.replace(family, config=dataclasses.replace(family.config,
+                                                                attention_implementation=implementation))
+
+
+def attention_label(trainer, requested: str) -> str:
+  """What our step's attention computes with in training, e.g. 'auto=cudnn' or 'cudnn (xla: dropout)'."""
+  from models import layers
+  config = trainer.setup.family.config
+  if not hasattr(config, "attention_implementation"):
+    return "xla (relative)"
+  chosen = config.attention_implementation
+  label = chosen if requested == chosen else f"{requested}={chosen}"
+  rate = getattr(config, "attention_dropout_rate", getattr(config, "attention_dropout", 0.0))
+  head_dim = config.head_dim
+  seq = max(s.shape[1] for s in trainer.setup.batch_shapes.values() if len(s.shape) == 2)
+  if chosen != "xla" and not layers.fused_attention_applies(chosen, dtype=config.dtype, head_dim=head_dim,
+                                                            query_length=seq, key_length=seq, dropout_rate=rate,
+                                                            deterministic=False):
+    label += " (trains with xla)"
+  return label
+
+
+@dataclasses.dataclass
+class Side:
+  """One trainer of the comparison and what was measured of it."""
+  label: str
+  step: object  # () -> loss
+  params: int = 0
+  init_s: float = math.nan
+  compile_s: float = math.nan
+  memory_bytes: float = math.nan
+  times: list = dataclasses.field(default_factory=list)
+  losses: list = dataclasses.field(default_factory=list)
+  trainer: object = None
+
+  def timed(self) -> None:
+    start = time.perf_counter()
+    self.losses.append(self.step())
+    self.times.append(time.perf_counter() - start)
+
+
+def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: str) -> Side:
+  """Our step as pretrain.train builds it, compiled ahead of its first call."""
+  from hf_reference import AdamWSettings, OurTrainer
   settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)  # the defaults of gin_configs/runs/pretrain.gin
-  our_trainer = OurTrainer(family, lengths, batch_size, settings, device)
-  their_trainer = HFTrainer(family, batch_size, settings, our_trainer.numpy_params())
-  batch = our_trainer.device_batch(numpy_batch)
-  our_step = lambda: our_trainer.step(batch)["loss"]
-  our_step.params = our_trainer.num_params
-  return our_step, lambda: their_trainer.step(numpy_batch)["loss"]
+  start = time.perf_counter()
+  trainer = OurTrainer(with_attention(family, requested), lengths, batch_size, settings, device)
+  init_s = time.perf_counter() - start
+  batch = trainer.device_batch(numpy_batch)
+  start = time.perf_counter()
+  memory = trainer.compile(batch)
+  return Side(f"ours {attention_label(trainer, requested)}", lambda: trainer.step(batch)["loss"],
+              trainer.num_params, init_s, time.perf_counter() - start, memory, trainer=trainer)
 
 
-def compare(name: str, size_name: str, args, device) -> dict:
-  import math
+def their_side(family, batch_size: int, numpy_batch, params, device: str) -> Side:
+  """transformers' step from the same initial weights; on a GPU, its peak memory is torch's maximum
+  allocated over its steps."""
+  import torch
+  from hf_reference import AdamWSettings, HFTrainer
+  settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)
+  trainer = HFTrainer(family, batch_size, settings, params, device="cuda" if device == "gpu" else "cpu")
+  side = Side(f"HF {trainer.attention}", None, trainer.num_params, memory_bytes=0)
 
+  def step():
+    if trainer.on_gpu:
+      torch.cuda.reset_peak_memory_stats()
+    loss = trainer.step(numpy_batch)["loss"]
+    if trainer.on_gpu:
+      side.memory_bytes = max(side.memory_bytes, torch.cuda.max_memory_allocated())
+    return loss
+
+  side.step = step
+  if not trainer.on_gpu:
+    side.memory_bytes = math.nan
+  return side
+
+
+def compare(name: str, size_name: str, args, device) -> list:
+  """Our variants and HF's, timed interleaved; a row of figures for each."""
   import numpy as np
 
-  from pretrain import steps
-  size = SIZES[size_name]
-  family, objective, lengths = family_and_lengths(name, size)
-  family = family.fit_to_data(VOCAB_SIZE, objective, lengths)  # as trainer.fitted_family does with the task
-  numpy_batch = random_batch(family, size.batch, lengths, np.random.default_rng(0))
-  our_step, their_step = ours_and_theirs(family, lengths, size.batch, numpy_batch, device)
-  start = time.perf_counter()
-  our_step()
-  compile_seconds = time.perf_counter() - start
-  for _ in range(args.warmup - 1):
-    our_step()
-  for _ in range(args.warmup):
-    their_step()
-  our_times, their_times, losses = [], [], []
+  from pretrain import plan, steps
+  family, lengths, batch_size = family_and_lengths(name, size_name, args.device, args.attention_dropout)
+  numpy_batch = random_batch(family, batch_size, lengths, np.random.default_rng(0))
+  requested = args.attention if hasattr(family.config, "attention_implementation") else ["xla"]
+  ours = []
+  for implementation in requested:
+    try:
+      ours.append(our_side(family, lengths, batch_size, numpy_batch, device, implementation))
+    except Exception as e:  # an implementation the chip or library refuses: the others still run
+      if implementation == requested[-1] and not ours:
+        raise
+      print(f"  {name} {size_name}: our attention {implementation!r} failed: {str(e).splitlines()[0][:300]}",
+            flush=True)
+  theirs = their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device)
+  sides = ours + [theirs]
+  for side in sides:
+    for _ in range(args.warmup):
+      side.step()
+    side.losses.clear()
   for _ in range(args.repeats):
-    start = time.perf_counter()
-    ours_loss = our_step()
-    our_times.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    their_loss = their_step()
-    their_times.append(time.perf_counter() - start)
-    losses.append((ours_loss, their_loss))
-  if not all(math.isfinite(x) for pair in losses for x in pair):
-    raise RuntimeError(f"{name} {size_name}: a loss is not finite: {losses}")
-  tokens = steps.tokens_per_batch(size.batch, lengths)
-  ours_s, theirs_s = statistics.median(our_times), statistics.median(their_times)
-  return {"family": name, "size": size_name, "params": our_step.params, "tokens": tokens, "ours_s": ours_s,
-          "theirs_s": theirs_s, "compile_s": compile_seconds, "losses": losses[-1]}
+    for side in sides:
+      side.timed()
+  losses = [loss for side in sides for loss in side.losses]
+  if not all(math.isfinite(x) for x in losses):
+    raise RuntimeError(f"{name} {size_name}: a loss is not finite: {[s.losses for s in sides]}")
+  tokens = steps.tokens_per_batch(batch_size, lengths)
+  peak = plan.peak_flops_per_device(device)
+  flops = plan.model_flops_per_step(ours[0].trainer.setup) if peak else None
+  theirs_s = statistics.median(theirs.times)
+  rows = []
+  for side in sides:
+    seconds = statistics.median(side.times)
+    rows.append({"family": name, "size": size_name, "side": side.label, "params": side.params, "tokens": tokens,
+                 "seconds": seconds, "vs_hf": theirs_s / seconds, "mfu": flops / seconds / peak if peak else None,
+                 "memory_gib": side.memory_bytes / GIB, "init_s": side.init_s, "compile_s": side.compile_s,
+                 "last_loss": side.losses[-1]})
+  return rows
 
 
-def main():
-  args = make_parser().parse_args()
-  if args.repeats < 1 or args.warmup < 1:
-    make_parser().error("--repeats and --warmup must be >= 1")
+def print_table(rows: list) -> None:
+  print(f"{'family':<8}{'size':<7}{'side':<28}{'ms/step':>9}{'tokens/s':>11}{'vs HF':>7}{'MFU':>7}{'peak GiB':>10}"
+        f"{'init s':>8}{'compile s':>10}")
+  for r in rows:
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    print(f"{r['family']:<8}{r['size']:<7}{r['side']:<28}{1e3 * r['seconds']:>9.1f}{r['tokens'] / r['seconds']:>11,.0f}"
+          f"{r['vs_hf']:>6.2f}x{mfu:>7}{r['memory_gib']:>10.1f}{r['init_s']:>8.1f}{r['compile_s']:>10.1f}")
+
+
+def main(args):
   import jax
   import torch
+
   # The trainer enters its mesh the same way; JAX's advice to use jax.set_mesh is the trainer's business.
   warnings.filterwarnings("ignore", message="`with mesh:` context manager has been deprecated")
   torch.set_num_threads(os.cpu_count())
-  device = jax.devices("cpu")[0]
-  print(f"{os.cpu_count()} CPUs; torch {torch.__version__} with {torch.get_num_threads()} threads; "
-        f"jax {jax.__version__} on one {device.platform} device; fp32; {args.repeats} timed steps of each, "
-        f"interleaved, after {args.warmup} untimed", flush=True)
+  device = jax.devices(args.device)[0]
+  versions = f"jax {jax.__version__}, torch {torch.__version__}"
+  if args.device == "cpu":
+    print(f"{os.cpu_count()} CPUs; {versions}, torch with {torch.get_num_threads()} threads; fp32", flush=True)
+  else:
+    import transformers
+    print(f"{device.device_kind} ({device.platform}); {versions}, transformers {transformers.__version__}; ours "
+          f"bf16 compute with fp32 params, HF bf16 autocast and fused AdamW", flush=True)
+  print(f"{args.repeats} timed steps of each, interleaved, after {args.warmup} untimed", flush=True)
   rows = []
   for size_name in args.sizes:
     for name in args.families:
-      row = compare(name, size_name, args, device)
-      rows.append(row)
-      print(f"  {name} {size_name}: {row['params'] / 1e6:.2f}M params, tokens/batch {row['tokens']}, compile "
-            f"{row['compile_s']:.1f} s, last losses ours {row['losses'][0]:.3f} HF {row['losses'][1]:.3f}", flush=True)
-  header = f"{'family':<8}{'size':<7}{'ours ms':>9}{'HF ms':>9}{'ours tok/s':>12}{'HF tok/s':>11}{'ours/HF':>9}"
-  print(header)
-  for r in rows:
-    print(f"{r['family']:<8}{r['size']:<7}{1e3 * r['ours_s']:>9.1f}{1e3 * r['theirs_s']:>9.1f}"
-          f"{r['tokens'] / r['ours_s']:>12,.0f}{r['tokens'] / r['theirs_s']:>11,.0f}"
-          f"{r['theirs_s'] / r['ours_s']:>8.2f}x")
+      family_rows = compare(name, size_name, args, device)
+      rows += family_rows
+      print(f"  {name} {size_name}: {family_rows[0]['params'] / 1e6:.1f}M params, tokens/batch "
+            f"{family_rows[0]['tokens']}, last losses " + ", ".join(f"{r['side']} {r['last_loss']:.4f}"
+                                                                    for r in family_rows), flush=True)
+  print_table(rows)
 
 
 if __name__ == "__main__":
-  os.environ["JAX_PLATFORMS"] = "cpu"  # the comparison is on the CPU, whatever accelerator is attached
-  cli.start(sys.argv, make_parser().format_help())
-  # benchmarks/ is not a package: its scripts import their shared module by name, from their own directory.
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  main()
+  arguments = make_parser().parse_args()
+  if arguments.repeats < 1 or arguments.warmup < 1:
+    make_parser().error("--repeats and --warmup must be >= 1")
+  if arguments.device == "cpu":
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the comparison is on the CPU, whatever accelerator is attached
+  else:  # JAX takes its memory as it needs it, leaving the rest of the device to torch
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  # benchmarks/ is not a package: its scripts import their shared module by name, from their own directory;
+  # the project's packages come from the repository root.
+  sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), REPO]
+  main(arguments)

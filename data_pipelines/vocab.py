@@ -21,9 +21,7 @@ from etils import epath
 from google.protobuf import message
 
 from data_pipelines import storage
-
-PAD_ID, EOS_ID, UNK_ID, BOS_ID = 0, 1, 2, 3
-FIRST_NORMAL_ID = 7  # ids below are special pieces (those above and [CLS], [SEP], [MASK]): never a random replacement
+from data_pipelines.pieces import BOS_ID, EOS_ID, FIRST_NORMAL_ID, PAD_ID, UNK_ID  # noqa: F401 (the vocabulary's ids)
 CLS_PIECE, SEP_PIECE, MASK_PIECE = "[CLS]", "[SEP]", "[MASK]"
 USER_SYMBOLS = (CLS_PIECE, SEP_PIECE, MASK_PIECE)
 WORD_START = "\u2581"  # sentencepiece's word-boundary marker

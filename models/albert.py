@@ -29,12 +29,14 @@ class AlbertConfig:
   max_position_embeddings: int = 512
   type_vocab_size: int = 2
   dropout_rate: float = 0.0  # ALBERT pretrains without dropout
+  attention_dropout: Optional[float] = None  # of the attention probabilities; None: dropout_rate, as the reference
   layer_norm_eps: float = 1e-12
   share: str = "all"
   approximate_gelu: bool = True  # google-research/albert's tanh GELU (HF "gelu_new")
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
+  attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
 
   def __post_init__(self):
     if self.share not in SHARE_MODES:
@@ -49,10 +51,14 @@ class AlbertConfig:
   def head_dim(self) -> int:
     return self.hidden_size // self.num_heads
 
+  @property
+  def attention_dropout_rate(self) -> float:
+    return self.dropout_rate if self.attention_dropout is None else self.attention_dropout
+
 
 def attention_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNAttentionBlock) -> nn.Module:
-  return block_cls(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype,
-                   name=name)
+  return block_cls(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.attention_dropout_rate, cfg.layer_norm_eps,
+                   cfg.dtype, cfg.attention_implementation, name=name)
 
 
 def ffn_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNFeedForwardBlock) -> nn.Module:
@@ -78,13 +84,14 @@ class AlbertEncoder(nn.Module):
     # E -> H. E is small and stays whole ("hidden" is never sharded); H is the "embed" of every layer.
     x = layers.dense(cfg.hidden_size, ("hidden",), ("embed",), dtype=cfg.dtype, name="embedding_projection")(x)
     x = layers.constrain(x, layers.BATCH_LENGTH_EMBED)
-    bias = layers.attention_bias(input_ids > 0, input_ids > 0)
+    mask = layers.AttentionMask(query_valid=input_ids > 0, key_valid=input_ids > 0)
     if cfg.share in WHOLE_LAYER_SHARE_MODES:
       x, _ = layers.layer_stack(
-          layers.PostLNEncoderLayer, cfg.num_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
+          layers.PostLNEncoderLayer, cfg.num_layers, x, mask, deterministic=deterministic, scan=cfg.scan_layers,
           remat_policy=cfg.remat_policy, shared=cfg.share == "all", num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-          mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.dropout_rate,
-          layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, approximate_gelu=cfg.approximate_gelu)
+          mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
+          layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, approximate_gelu=cfg.approximate_gelu,
+          attention_implementation=cfg.attention_implementation)
       return x, word
 
     def sublayers(make, block_cls, name: str, shared: bool) -> list:
@@ -98,7 +105,7 @@ class AlbertEncoder(nn.Module):
     attentions = sublayers(attention_block, attention_cls, "attention", cfg.share == "attention")
     ffns = sublayers(ffn_block, ffn_cls, "ffn", cfg.share == "ffn")
     for attention, ffn in zip(attentions, ffns):
-      x = ffn(attention(x, x, bias, deterministic), deterministic)
+      x = ffn(attention(x, x, mask, deterministic), deterministic)
     return x, word
 
 

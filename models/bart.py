@@ -37,6 +37,7 @@ class BartConfig:
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan per stack (see layers.layer_stack)
+  attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -67,7 +68,7 @@ class BartEmbeddings(nn.Module):
 
 def attention_block(cfg: BartConfig, name: str) -> layers.PostLNAttentionBlock:
   return layers.PostLNAttentionBlock(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.attention_dropout,
-                                     cfg.layer_norm_eps, cfg.dtype, name=name)
+                                     cfg.layer_norm_eps, cfg.dtype, cfg.attention_implementation, name=name)
 
 
 def ffn_block(cfg: BartConfig) -> layers.PostLNFeedForwardBlock:
@@ -79,9 +80,9 @@ class BartDecoderLayer(nn.Module):
   config: BartConfig
 
   @nn.compact
-  def __call__(self, x, encoded, self_bias, cross_bias, deterministic: bool):
-    x = attention_block(self.config, "attention")(x, x, self_bias, deterministic)  # named as in the encoder
-    x = attention_block(self.config, "cross_attention")(x, encoded, cross_bias, deterministic)
+  def __call__(self, x, encoded, self_mask, cross_mask, deterministic: bool):
+    x = attention_block(self.config, "attention")(x, x, self_mask, deterministic)  # named as in the encoder
+    x = attention_block(self.config, "cross_attention")(x, encoded, cross_mask, deterministic)
     return ffn_block(self.config)(x, deterministic), None
 
 
@@ -92,12 +93,13 @@ class BartEncoder(nn.Module):
   def __call__(self, ids, shared: nn.Embed, deterministic: bool):
     cfg = self.config
     x = BartEmbeddings(cfg, name="embeddings")(ids, shared, deterministic)
-    bias = layers.attention_bias(ids > 0, ids > 0)
+    mask = layers.AttentionMask(query_valid=ids > 0, key_valid=ids > 0)
     x, _ = layers.layer_stack(
-        layers.PostLNEncoderLayer, cfg.encoder_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
+        layers.PostLNEncoderLayer, cfg.encoder_layers, x, mask, deterministic=deterministic, scan=cfg.scan_layers,
         remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.ffn_dim,
         dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype,
-        attention_dropout_rate=cfg.attention_dropout, activation_dropout_rate=cfg.activation_dropout)
+        attention_dropout_rate=cfg.attention_dropout, activation_dropout_rate=cfg.activation_dropout,
+        attention_implementation=cfg.attention_implementation)
     return x
 
 
@@ -108,9 +110,9 @@ class BartDecoder(nn.Module):
   def __call__(self, ids, encoded, encoder_ids, shared: nn.Embed, deterministic: bool):
     cfg = self.config
     x = BartEmbeddings(cfg, name="embeddings")(ids, shared, deterministic)
-    self_bias = layers.causal_bias(ids.shape[1])
-    cross_bias = layers.attention_bias(jnp.ones_like(ids), encoder_ids > 0)
-    x, _ = layers.layer_stack(BartDecoderLayer, cfg.decoder_layers, x, encoded, self_bias, cross_bias,
+    # The decoder's rows are whole (its padding comes last and is never attended to by a real position).
+    self_mask, cross_mask = layers.AttentionMask(causal=True), layers.AttentionMask(key_valid=encoder_ids > 0)
+    x, _ = layers.layer_stack(BartDecoderLayer, cfg.decoder_layers, x, encoded, self_mask, cross_mask,
                               deterministic=deterministic, scan=cfg.scan_layers, remat_policy=cfg.remat_policy,
                               config=cfg)
     return x

@@ -19,14 +19,20 @@ class BertConfig:
   max_position_embeddings: int = 512
   type_vocab_size: int = 2
   dropout_rate: float = 0.1
+  attention_dropout: Optional[float] = None  # of the attention probabilities; None: dropout_rate, as the reference
   layer_norm_eps: float = 1e-12
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
+  attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
 
   @property
   def head_dim(self) -> int:
     return self.hidden_size // self.num_heads
+
+  @property
+  def attention_dropout_rate(self) -> float:
+    return self.dropout_rate if self.attention_dropout is None else self.attention_dropout
 
 
 class BertEmbeddings(nn.Module):
@@ -83,12 +89,12 @@ class BertEncoder(nn.Module):
     x, word = BertEmbeddings(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.type_vocab_size,
                              cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, name="embeddings")(
                                  input_ids, segment_ids, deterministic)
-    bias = layers.attention_bias(input_ids > 0, input_ids > 0)
+    mask = layers.AttentionMask(query_valid=input_ids > 0, key_valid=input_ids > 0)
     x, _ = layers.layer_stack(
-        layers.PostLNEncoderLayer, cfg.num_layers, x, bias, deterministic=deterministic, scan=cfg.scan_layers,
+        layers.PostLNEncoderLayer, cfg.num_layers, x, mask, deterministic=deterministic, scan=cfg.scan_layers,
         remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
-        dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps,
-        dtype=cfg.dtype)
+        dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
+        layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, attention_implementation=cfg.attention_implementation)
     return x, word
 
 

@@ -7,9 +7,11 @@ activation_kv, activation_mlp, activation_vocab. `pretrain/partitioning.py` maps
 mesh; a model never names a mesh axis itself.
 """
 import functools
+import math
 import re
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -120,28 +122,142 @@ def _softmax_backward(dtype, probs, grad):
 softmax.defvjp(_softmax_forward, _softmax_backward)
 
 
+@flax.struct.dataclass
+class AttentionMask:
+  """Which keys each query may attend to, in the forms the attention implementations take.
+
+  `query_valid` [b, q] and `key_valid` [b, k] mark real (non-padding) positions; real positions come
+  before padding in every row, as the feature converters pad. `causal` lets a query attend only to keys
+  at or before its own position. None means every position is real.
+  """
+  query_valid: Optional[jax.Array] = None
+  key_valid: Optional[jax.Array] = None
+  causal: bool = flax.struct.field(pytree_node=False, default=False)
+
+  def bias(self, query_length: int, key_length: int) -> jax.Array:
+    """[batch or 1, 1, q, k] additive fp32 bias for XLA's attention: 0 where allowed, a large negative elsewhere."""
+    bias = jnp.zeros((1, 1, query_length, key_length), jnp.float32)
+    if self.query_valid is not None or self.key_valid is not None:
+      query_valid = jnp.ones((1, query_length)) if self.query_valid is None else self.query_valid
+      key_valid = jnp.ones((1, key_length)) if self.key_valid is None else self.key_valid
+      bias = attention_bias(query_valid, key_valid)
+    if self.causal:
+      bias = bias + causal_bias(query_length)
+    return bias
+
+
+# Attention implementations. 'xla' writes out the [b, heads, q, k] scores and probabilities; the fused
+# kernels never do, but take no dropout on the probabilities (cuDNN's has it underneath, with a seed fixed at
+# compile time: not exposed by JAX). 'auto' is resolved per chip by `attention_for_device`.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+
+
+def attention_for_device(device) -> str:
+  """The fastest attention a device runs exactly: cuDNN's fused kernel on NVIDIA GPUs of compute capability
+  8.0 and later (A100, L4, H100, H200), XLA's elsewhere.
+
+  TPUs stay on XLA's for now: Pallas flash attention ('pallas') runs on TPU v4 and later (v3's Mosaic has
+  no bf16 x bf16 -> fp32 matmul), but a Mosaic kernel is not partitioned by XLA, so across a slice it must
+  run under shard_map with the mesh set by jax.set_mesh; until runs and plans set it, 'pallas' is for a
+  single device."""
+  if device.platform in ("gpu", "cuda") and "NVIDIA" in device.device_kind.upper():
+    return "cudnn" if float(getattr(device, "compute_capability", 0) or 0) >= 8.0 else "xla"
+  return "xla"
+
+
+def fused_attention_applies(implementation: str, *, dtype, head_dim: int, query_length: int, key_length: int,
+                            dropout_rate: float, deterministic: bool) -> bool:
+  """Whether `implementation`'s kernel computes this attention exactly as XLA's would; where it cannot
+  (probability dropout in training, fp32 compute, shapes the kernel does not tile), XLA's runs instead."""
+  if implementation not in ("cudnn", "pallas") or (dropout_rate > 0 and not deterministic):
+    return False
+  if implementation == "cudnn":  # cuDNN's flash attention: half precision, head dims up to 128 in steps of 8
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
+  return query_length % 128 == 0 and key_length % 128 == 0  # Pallas flash attention's default blocks
+
+
+def dot_product_attention(query, key, value, mask: AttentionMask, *, implementation: str, dropout: nn.Dropout,
+                          deterministic: bool) -> jax.Array:
+  """Softmax(q k^T / sqrt(d) + mask) v over [batch, length, heads, head_dim] arrays, in query's dtype;
+  `dropout` (of the calling module) drops attention probabilities in training."""
+  _, query_length, _, head_dim = query.shape
+  key_length = key.shape[1]
+  if implementation not in ATTENTION_IMPLEMENTATIONS:
+    raise ValueError(f"attention_implementation={implementation!r}: expected one of {ATTENTION_IMPLEMENTATIONS}")
+  if implementation == "auto":  # a model used outside a run's setup (which resolves it for the mesh's chip)
+    implementation = attention_for_device(jax.devices()[0])
+  if fused_attention_applies(implementation, dtype=query.dtype, head_dim=head_dim, query_length=query_length,
+                             key_length=key_length, dropout_rate=dropout.rate, deterministic=deterministic):
+    if implementation == "cudnn":
+      return _cudnn_attention(query, key, value, mask)
+    return _pallas_attention(query, key, value, mask)
+  query = query / jnp.sqrt(head_dim).astype(query.dtype)
+  # Bias and softmax in fp32: bf16 loses too much in the normaliser, and the fp32 "masked" bias would
+  # round to -inf in bf16, turning fully masked (padding) rows into NaN.
+  scores = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32) + mask.bias(query_length, key_length)
+  probs = dropout(softmax(scores, query.dtype), deterministic=deterministic)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, value)
+
+
+def _valid_lengths(valid: Optional[jax.Array]) -> Optional[jax.Array]:
+  return None if valid is None else valid.sum(axis=-1, dtype=jnp.int32)
+
+
+def _cudnn_attention(query, key, value, mask: AttentionMask) -> jax.Array:
+  # Padding as lengths: cuDNN's padding mask skips the tiles past a row's length instead of adding a bias.
+  return jax.nn.dot_product_attention(query, key, value, is_causal=mask.causal,
+                                      query_seq_lengths=_valid_lengths(mask.query_valid),
+                                      key_value_seq_lengths=_valid_lengths(mask.key_valid), implementation="cudnn")
+
+
+def _pallas_attention(query, key, value, mask: AttentionMask) -> jax.Array:
+  """Pallas flash attention on TPU, per device under the mesh (a kernel is not partitioned by XLA): batch
+  and heads split as the logical axis rules split the activations, each device attending over whole rows."""
+  from jax.experimental.pallas.ops.tpu import flash_attention as flash  # TPU-only module, imported on use
+  segments = None
+  if mask.query_valid is not None or mask.key_valid is not None:
+    # Padding as segments: real positions are segment 1, padding 0, and a query attends only within its segment.
+    batch, query_length, key_length = query.shape[0], query.shape[1], key.shape[1]
+    as_ids = lambda valid, length: (jnp.ones((batch, length), jnp.int32) if valid is None
+                                    else jnp.broadcast_to(valid, (batch, length)).astype(jnp.int32))
+    segments = flash.SegmentIds(q=as_ids(mask.query_valid, query_length), kv=as_ids(mask.key_valid, key_length))
+
+  def attend(q, k, v, segment_ids):
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernel's [batch, heads, length, head_dim]
+    out = flash.flash_attention(q, k, v, segment_ids=segment_ids, causal=mask.causal,
+                                sm_scale=1.0 / math.sqrt(q.shape[-1]))
+    return jnp.swapaxes(out, 1, 2)
+
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return attend(query, key, value, segments)
+  batch_axes, _, heads_axes, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS_KV)
+  heads_spec = jax.sharding.PartitionSpec(batch_axes, None, heads_axes, None)  # whole rows on every device
+  rows_spec = jax.sharding.PartitionSpec(batch_axes, None)
+  segment_spec = None if segments is None else flash.SegmentIds(q=rows_spec, kv=rows_spec)
+  return jax.shard_map(attend, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec),
+                       out_specs=heads_spec, check_vma=False)(query, key, value, segments)
+
+
 class MultiHeadAttention(nn.Module):
   """Scaled dot-product attention with biased q/k/v/o projections (BERT, ALBERT, BART)."""
   num_heads: int
   head_dim: int
   dropout_rate: float
   dtype: Dtype = jnp.float32
+  implementation: str = "xla"  # see ATTENTION_IMPLEMENTATIONS
 
   @nn.compact
-  def __call__(self, inputs_q, inputs_kv, bias, deterministic: bool):
+  def __call__(self, inputs_q, inputs_kv, mask: AttentionMask, deterministic: bool):
     def project(name):
       return dense((self.num_heads, self.head_dim), ("embed",), ("heads", "kv"), dtype=self.dtype, name=name)
 
     query = constrain(project("query")(inputs_q), BATCH_LENGTH_HEADS_KV)
     key = constrain(project("key")(inputs_kv), BATCH_LENGTH_HEADS_KV)
     value = constrain(project("value")(inputs_kv), BATCH_LENGTH_HEADS_KV)
-    query = query / jnp.sqrt(self.head_dim).astype(self.dtype)
-    # Bias and softmax in fp32: bf16 loses too much in the normaliser, and the fp32 "masked" bias
-    # would round to -inf in bf16, turning fully masked (padding) rows into NaN.
-    scores = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32) + bias.astype(jnp.float32)
-    probs = softmax(scores, self.dtype)
-    probs = nn.Dropout(self.dropout_rate)(probs, deterministic=deterministic)
-    context = constrain(jnp.einsum("bhqk,bkhd->bqhd", probs, value), BATCH_LENGTH_HEADS_KV)
+    context = dot_product_attention(query, key, value, mask, implementation=self.implementation,
+                                    dropout=nn.Dropout(self.dropout_rate), deterministic=deterministic)
+    context = constrain(context, BATCH_LENGTH_HEADS_KV)
     output = dense(inputs_q.shape[-1], ("heads", "kv"), ("embed",), axis=(-2, -1), dtype=self.dtype,
                    name="output")(context)
     return constrain(output, BATCH_LENGTH_EMBED)
@@ -172,12 +288,13 @@ class PostLNAttentionBlock(nn.Module):
   attention_dropout_rate: float
   layer_norm_eps: float
   dtype: Dtype = jnp.float32
+  attention_implementation: str = "xla"
 
   @nn.compact
-  def __call__(self, x, context, bias, deterministic: bool):
+  def __call__(self, x, context, mask: AttentionMask, deterministic: bool):
     attention = MultiHeadAttention(self.num_heads, self.head_dim, self.attention_dropout_rate, self.dtype,
-                                   name="attention")
-    update = nn.Dropout(self.dropout_rate)(attention(x, context, bias, deterministic), deterministic=deterministic)
+                                   self.attention_implementation, name="attention")
+    update = nn.Dropout(self.dropout_rate)(attention(x, context, mask, deterministic), deterministic=deterministic)
     return constrain(layer_norm(self.layer_norm_eps, self.dtype, "norm")(x + update), BATCH_LENGTH_EMBED)
 
 
@@ -208,12 +325,14 @@ class PostLNEncoderLayer(nn.Module):
   dtype: Dtype = jnp.float32
   activation_dropout_rate: float = 0.0
   approximate_gelu: bool = False
+  attention_implementation: str = "xla"
 
   @nn.compact
-  def __call__(self, x, bias, deterministic: bool):
+  def __call__(self, x, mask: AttentionMask, deterministic: bool):
     """-> (x, None): the `layer_stack` protocol."""
     x = PostLNAttentionBlock(self.num_heads, self.head_dim, self.dropout_rate, self.attention_dropout_rate,
-                             self.layer_norm_eps, self.dtype, name="attention")(x, x, bias, deterministic)
+                             self.layer_norm_eps, self.dtype, self.attention_implementation,
+                             name="attention")(x, x, mask, deterministic)
     x = PostLNFeedForwardBlock(self.mlp_dim, self.dropout_rate, self.activation_dropout_rate, self.layer_norm_eps,
                                self.dtype, self.approximate_gelu, name="ffn")(x, deterministic)
     return x, None

@@ -1,10 +1,10 @@
 """Joining a multi-process JAX job: the environment a launcher sets, and the call each process makes.
 
 `launch.local` starts N processes on this machine with these variables; on a multi-host TPU slice
-the TPU runtime tells JAX its peers and no variable is needed. A single process joins a job of its
-own on loopback: JAX's preemption service, which turns a SIGTERM into an agreed step to checkpoint
-(`multihost_utils.reached_preemption_sync_point`), runs only inside a job; until training begins,
-pretrain.signals holds SIGTERM and Ctrl-C.
+the TPU runtime tells JAX its peers, and on GPU machines SLURM's or Open MPI's environment does. A
+single process joins a job of its own on loopback: JAX's preemption service, which turns a SIGTERM
+into an agreed step to checkpoint (`multihost_utils.reached_preemption_sync_point`), runs only inside
+a job; until training begins, pretrain.signals holds SIGTERM and Ctrl-C.
 """
 import os
 import socket
@@ -16,12 +16,19 @@ COORDINATOR_BIND_ADDRESS_ENV = "JAX_COORDINATOR_BIND_ADDRESS"  # read by jax.dis
 NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_PROCESS_ID"
 LOOPBACK = "127.0.0.1"
+CLUSTER_TASK_COUNT_ENVS = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")  # set by srun and mpirun
 
 
 def free_port() -> int:
   with socket.socket() as s:
     s.bind((LOOPBACK, 0))
     return s.getsockname()[1]
+
+
+def launched_as_cluster_tasks() -> bool:
+  """Whether SLURM (`srun`) or Open MPI (`mpirun`) started this process as one of several tasks: then
+  jax.distributed.initialize() reads the coordinator, process count and id from their environment."""
+  return any(int(os.environ.get(name, "1")) > 1 for name in CLUSTER_TASK_COUNT_ENVS)
 
 
 def initialize() -> None:
@@ -35,8 +42,8 @@ def initialize() -> None:
     jax.distributed.initialize(coordinator_address=os.environ[COORDINATOR_ADDRESS_ENV],
                                num_processes=int(os.environ[NUM_PROCESSES_ENV]),
                                process_id=int(os.environ[PROCESS_ID_ENV]))
-  elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a multi-host TPU VM slice
-    jax.distributed.initialize()
+  elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", "") or launched_as_cluster_tasks():
+    jax.distributed.initialize()  # peers from the TPU runtime, or from SLURM's or Open MPI's environment
   else:
     address = f"{LOOPBACK}:{free_port()}"
     jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address, num_processes=1,

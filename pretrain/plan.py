@@ -73,11 +73,15 @@ CHIPS = {
 }
 # Peak dense bf16 FLOP/s of one GPU from NVIDIA's datasheets, which give Tensor Core figures "with
 # sparsity", twice the dense ones: A100 624 TFLOP/s (SXM and PCIe); H100 1979 (SXM), 1671 (NVL), 1513
-# (PCIe); L4 242. V100 has no bf16 nor sparsity: fp16 Tensor 125 (SXM2), 112 (PCIe). A pattern is a whole
-# word of jax's device_kind ('NVIDIA H100 80GB HBM3', 'Tesla V100-SXM2-16GB'); the first match wins.
+# (PCIe); H200 1979 (SXM, as GH200), 1671 (NVL); L4 242. V100 has no bf16 nor sparsity: fp16 Tensor 125
+# (SXM2), 112 (PCIe). A pattern is a whole word of jax's device_kind ('NVIDIA H100 80GB HBM3',
+# 'Tesla V100-SXM2-16GB'); the first match wins.
 # AWS's A10G has no NVIDIA datasheet: left out (MFU n/a) rather than guessed.
 GPUS = (
     ("A100", 312e12),
+    ("GH200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),
@@ -153,9 +157,11 @@ def model_flops_per_step(setup) -> float:
   """Matmul FLOPs of one step's forward and backward pass at the global batch, counted in the program
   with remat off and layers unrolled: MFU's model FLOPs exclude recomputation, and the backward pass
   of a scan computes a few products an unrolled one skips. (3 × forward over-counts matmuls whose
-  inputs need no gradient: XLNet's memory, relative positions and target mapping.)"""
+  inputs need no gradient: XLNet's memory, relative positions and target mapping.) Attention is counted
+  as XLA computes it: a fused kernel's products are not dot_generals of the program, but the same FLOPs."""
   import jax
-  config = dataclasses.replace(setup.family.config, remat_policy="none", scan_layers=False)
+  unfused = {"attention_implementation": "xla"} if hasattr(setup.family.config, "attention_implementation") else {}
+  config = dataclasses.replace(setup.family.config, remat_policy="none", scan_layers=False, **unfused)
   family = dataclasses.replace(setup.family, config=config)
   plain = dataclasses.replace(setup, family=family, model=family.make_model())
   model, state = plain.model, plain.abstract_state()

@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from data_pipelines.vocab import FIRST_NORMAL_ID  # ids below are special pieces: check batches avoid them
+from data_pipelines.pieces import FIRST_NORMAL_ID  # ids below are special pieces: check batches avoid them
 from models.albert import AlbertConfig
 from models.bart import BartConfig
 from models.bert import BertConfig

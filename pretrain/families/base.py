@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from data_pipelines import features
+from models import layers
 from pretrain.errors import ConfigError, user_settings
 
 Batch = Mapping[str, jax.Array]
@@ -38,6 +39,11 @@ class Family(abc.ABC):
     from data_pipelines import tasks  # here: it imports TensorFlow, which a family used without data does not need
     with user_settings():
       tasks.check_lengths(objective, feature_lengths)
+    return self.fitted(vocab_size, feature_lengths)
+
+  def fitted(self, vocab_size: int, feature_lengths: Mapping[str, int]) -> "Family":
+    """`fit_to_data` without checking the objective's lengths against its data pipeline (which loads
+    TensorFlow): for batches made otherwise, as the benchmarks make them."""
     with_lengths = self._fit_lengths(feature_lengths)
     size = with_lengths.config.vocab_size
     if size is None:
@@ -45,6 +51,20 @@ class Family(abc.ABC):
     if size < vocab_size:
       raise ConfigError(f"{self.name} vocab_size={size} is smaller than the vocabulary ({vocab_size} pieces)")
     return with_lengths
+
+  def for_device(self, device) -> "Family":
+    """The family as it compiles for `device`'s chip: a model attention of 'auto' becomes the chip's
+    (`layers.attention_for_device`)."""
+    implementation = getattr(self.config, "attention_implementation", None)
+    if implementation is None:
+      return self
+    if implementation not in layers.ATTENTION_IMPLEMENTATIONS:
+      raise ConfigError(f"attention_implementation={implementation!r}: expected one of "
+                        f"{', '.join(layers.ATTENTION_IMPLEMENTATIONS)}")
+    if implementation != "auto":
+      return self
+    chosen = layers.attention_for_device(device)
+    return dataclasses.replace(self, config=dataclasses.replace(self.config, attention_implementation=chosen))
 
   def _fit_lengths(self, feature_lengths: Mapping[str, int]) -> "Family":
     """Model settings that follow from TASK_FEATURE_LENGTHS (XLNet's reuse_len); none by default."""

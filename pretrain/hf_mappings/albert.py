@@ -6,7 +6,7 @@ one layer serving every layer (share='all'). The ablation modes have no HF equiv
 from models import layers
 from models.albert import AlbertConfig
 from pretrain.errors import ConfigError
-from pretrain.hf_mappings.bert import encoder_layer_rules, pretraining_head_rules
+from pretrain.hf_mappings.bert import attention_dropout_from_hf, encoder_layer_rules, pretraining_head_rules
 from pretrain.hf_mappings.common import Rule, dense_rules, norm_rules
 
 HF_CLASS = "AlbertForPreTraining"
@@ -45,7 +45,7 @@ def hf_config(config: AlbertConfig) -> dict:
       embedding_size=config.embedding_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
       num_hidden_groups=1, inner_group_num=1, num_attention_heads=config.num_heads,
       intermediate_size=config.mlp_dim, hidden_act="gelu_new" if config.approximate_gelu else "gelu",
-      hidden_dropout_prob=config.dropout_rate, attention_probs_dropout_prob=config.dropout_rate,
+      hidden_dropout_prob=config.dropout_rate, attention_probs_dropout_prob=config.attention_dropout_rate,
       max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
       layer_norm_eps=config.layer_norm_eps, pad_token_id=0, tie_word_embeddings=True)
 
@@ -61,5 +61,6 @@ def config_from_hf(hf: dict) -> AlbertConfig:
       vocab_size=hf["vocab_size"], embedding_size=hf["embedding_size"], hidden_size=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"], mlp_dim=hf["intermediate_size"],
       max_position_embeddings=hf["max_position_embeddings"], type_vocab_size=hf["type_vocab_size"],
-      dropout_rate=hf["hidden_dropout_prob"], layer_norm_eps=hf["layer_norm_eps"], share="all",
+      dropout_rate=hf["hidden_dropout_prob"], attention_dropout=attention_dropout_from_hf(hf),
+      layer_norm_eps=hf["layer_norm_eps"], share="all",
       approximate_gelu=GELU_NAMES[act])

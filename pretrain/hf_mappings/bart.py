@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from data_pipelines.vocab import BOS_ID, EOS_ID, PAD_ID
+from data_pipelines.pieces import BOS_ID, EOS_ID, PAD_ID
 from models.bart import BartConfig
 from pretrain.errors import ConfigError
 from pretrain.hf_mappings.common import Linear, Rule, Same, dense_rules, norm_rules

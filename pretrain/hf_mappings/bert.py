@@ -56,8 +56,9 @@ def hf_config(config: BertConfig) -> dict:
       model_type="bert", architectures=[HF_CLASS], vocab_size=config.vocab_size, hidden_size=config.hidden_size,
       num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
       intermediate_size=config.mlp_dim, hidden_act="gelu", hidden_dropout_prob=config.dropout_rate,
-      attention_probs_dropout_prob=config.dropout_rate, max_position_embeddings=config.max_position_embeddings,
-      type_vocab_size=config.type_vocab_size, layer_norm_eps=config.layer_norm_eps, pad_token_id=0,
+      attention_probs_dropout_prob=config.attention_dropout_rate,
+      max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
+      layer_norm_eps=config.layer_norm_eps, pad_token_id=0,
       tie_word_embeddings=True)
 
 
@@ -66,4 +67,11 @@ def config_from_hf(hf: dict) -> BertConfig:
       vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
       num_heads=hf["num_attention_heads"], mlp_dim=hf["intermediate_size"],
       max_position_embeddings=hf["max_position_embeddings"], type_vocab_size=hf["type_vocab_size"],
-      dropout_rate=hf["hidden_dropout_prob"], layer_norm_eps=hf["layer_norm_eps"])
+      dropout_rate=hf["hidden_dropout_prob"], attention_dropout=attention_dropout_from_hf(hf),
+      layer_norm_eps=hf["layer_norm_eps"])
+
+
+def attention_dropout_from_hf(hf: dict):
+  """Our `attention_dropout` (BERT's and ALBERT's): None, following dropout_rate, where the two rates agree."""
+  rate = hf["attention_probs_dropout_prob"]
+  return None if rate == hf["hidden_dropout_prob"] else rate

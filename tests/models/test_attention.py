@@ -1,0 +1,119 @@
+"""The attention implementations (`layers.dot_product_attention`) compute what XLA's attention computes.
+
+cuDNN's kernel needs an NVIDIA GPU: here its arguments (padding as sequence lengths, causal) go to the
+same jax.nn.dot_product_attention with implementation='xla', which must match ours at every real
+position. The Pallas TPU flash kernel runs in Pallas's TPU interpret mode, values and gradients."""
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from models import layers
+
+BATCH, LENGTH, HEADS, HEAD_DIM = 2, 128, 2, 32
+REAL_LENGTHS = np.array([128, 77])  # the second row ends in padding
+
+
+def qkv(seed: int = 0, key_length: int = LENGTH):
+  rng = np.random.default_rng(seed)
+  shape = lambda length: (BATCH, length, HEADS, HEAD_DIM)
+  return (jnp.asarray(rng.normal(size=shape(LENGTH)), jnp.float32),
+          jnp.asarray(rng.normal(size=shape(key_length)), jnp.float32),
+          jnp.asarray(rng.normal(size=shape(key_length)), jnp.float32))
+
+
+def valid(length: int = LENGTH) -> jax.Array:
+  return jnp.arange(length)[None, :] < REAL_LENGTHS[:, None]
+
+
+MASKS = {
+    "padded self-attention": (layers.AttentionMask(query_valid=valid(), key_valid=valid()), valid()),
+    "causal": (layers.AttentionMask(causal=True), jnp.ones((BATCH, LENGTH), bool)),
+    "cross-attention over padded keys": (layers.AttentionMask(key_valid=valid()), jnp.ones((BATCH, LENGTH), bool)),
+}
+
+
+def xla_attention(q, k, v, mask, implementation="xla", dropout_rate=0.0, deterministic=True, rng=0):
+  dropout = nn.Dropout(dropout_rate)
+  return dropout.apply({}, method=lambda module: layers.dot_product_attention(
+      q, k, v, mask, implementation=implementation, dropout=module, deterministic=deterministic),
+                       rngs={"dropout": jax.random.PRNGKey(rng)})
+
+
+@pytest.mark.parametrize("case", sorted(MASKS))
+def test_cudnn_arguments_give_our_attention(case):
+  mask, real_queries = MASKS[case]
+  q, k, v = qkv()
+  ours = xla_attention(q, k, v, mask)
+  lengths = lambda v: None if v is None else v.sum(-1).astype(jnp.int32)
+  # What _cudnn_attention passes, computed by jax's reference implementation of the same call.
+  fused = jax.nn.dot_product_attention(q, k, v, is_causal=mask.causal, query_seq_lengths=lengths(mask.query_valid),
+                                       key_value_seq_lengths=lengths(mask.key_valid), implementation="xla")
+  np.testing.assert_allclose(np.asarray(fused)[np.asarray(real_queries)], np.asarray(ours)[np.asarray(real_queries)],
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(MASKS))
+def test_pallas_flash_attention_matches_xla_values_and_gradients(case):
+  mask, real_queries = MASKS[case]
+  q, k, v = qkv(1)
+  weights = jnp.asarray(real_queries, jnp.float32)[:, :, None, None]  # the loss reads real positions only
+
+  def loss(implementation):
+    return lambda q, k, v: (xla_attention(q, k, v, mask, implementation) * weights).sum()
+
+  with pltpu.force_tpu_interpret_mode():
+    fused_value, fused_grads = jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2))(q, k, v)
+  value, grads = jax.value_and_grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(fused_value, value, rtol=1e-4)
+  for fused_grad, grad in zip(fused_grads, grads):
+    np.testing.assert_allclose(fused_grad, grad, rtol=1e-3, atol=1e-4)
+
+
+def test_probability_dropout_in_training_runs_xla_attention_whatever_is_chosen():
+  q, k, v = qkv()
+  mask = MASKS["padded self-attention"][0]
+  # On a CPU, the cuDNN kernel would fail to lower: the program must not contain it.
+  dropped = xla_attention(q, k, v, mask, "cudnn", dropout_rate=0.5, deterministic=False, rng=3)
+  np.testing.assert_array_equal(dropped, xla_attention(q, k, v, mask, "xla", 0.5, deterministic=False, rng=3))
+  assert not np.allclose(dropped, xla_attention(q, k, v, mask))  # the dropout was applied
+  assert not layers.fused_attention_applies("cudnn", dtype=jnp.bfloat16, head_dim=64, query_length=512,
+                                            key_length=512, dropout_rate=0.1, deterministic=False)
+  assert layers.fused_attention_applies("cudnn", dtype=jnp.bfloat16, head_dim=64, query_length=512,
+                                        key_length=512, dropout_rate=0.1, deterministic=True)
+  assert not layers.fused_attention_applies("cudnn", dtype=jnp.float32, head_dim=64, query_length=512,
+                                            key_length=512, dropout_rate=0.0, deterministic=True)
+
+
+def device(platform, kind, compute_capability=None):
+  return types.SimpleNamespace(platform=platform, device_kind=kind, compute_capability=compute_capability)
+
+
+@pytest.mark.parametrize("chip, expected", [
+    (device("gpu", "NVIDIA H200", "9.0"), "cudnn"),
+    (device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), "cudnn"),
+    (device("gpu", "Tesla V100-SXM2-16GB", "7.0"), "xla"),
+    (device("tpu", "TPU v3"), "xla"),
+    (device("tpu", "TPU v5 lite"), "xla"),  # until runs set the mesh that the kernel's shard_map needs
+    (device("cpu", "cpu"), "xla"),
+])
+def test_auto_picks_the_chips_fused_kernel(chip, expected):
+  assert layers.attention_for_device(chip) == expected
+
+
+def test_a_family_resolves_auto_for_the_chip_it_compiles_for_and_refuses_unknown_names():
+  import dataclasses
+
+  from models.bert import BertConfig
+  from pretrain.errors import ConfigError
+  from pretrain.families.bert import BertFamily
+  family = BertFamily(config=BertConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32))
+  assert family.for_device(device("gpu", "NVIDIA H100 80GB HBM3", "9.0")).config.attention_implementation == "cudnn"
+  assert family.for_device(device("tpu", "TPU v3")).config.attention_implementation == "xla"
+  with pytest.raises(ConfigError, match="attention_implementation='flash'"):
+    dataclasses.replace(family, config=dataclasses.replace(family.config, attention_implementation="flash")
+                        ).for_device(device("cpu", "cpu"))

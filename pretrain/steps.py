@@ -13,8 +13,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax.core import meta
 from jax.sharding import PartitionSpec
 
+from models import layers
 from pretrain import optimizers, partitioning
 from pretrain.errors import ConfigError
 from pretrain.families.base import Family, weight_totals
@@ -52,9 +54,8 @@ class Setup:
 
   def init_state(self, rng) -> TrainState:
     params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
-    example = example_batch(self.family, self.batch_shapes)
-    params = nn.unbox(self.model.init({"params": params_rng, "dropout": dropout_rng}, example)["params"])
-    return self.state_around(params, state_rng)
+    params = initial_params(self.family, self.batch_shapes, {"params": params_rng, "dropout": dropout_rng})
+    return self.state_around(nn.unbox(params), state_rng)
 
   def state_around(self, params, rng) -> TrainState:
     """Step 0 with these params: a fresh optimizer state and carry."""
@@ -66,6 +67,41 @@ class Setup:
 def example_batch(family: Family, batch_shapes: Mapping[str, jax.ShapeDtypeStruct]) -> Dict[str, jax.Array]:
   """A batch of zeros with the family's example_rows: what initialises the params."""
   return {k: jnp.zeros((family.example_rows(),) + s.shape[1:], s.dtype) for k, s in batch_shapes.items()}
+
+
+def initial_params(family: Family, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], rngs: Mapping[str, jax.Array]):
+  """The model's params, boxed with their logical axes, drawn from `rngs` ({"params", "dropout"}).
+
+  Layer stacks are always initialised scanned, then sliced into `layer_<i>` modules for a model with
+  unrolled layers: one layer's initializers are traced and compiled instead of every layer's (XLA
+  compiles each random draw on its own), so the state of a deep model compiles several times faster.
+  nn.scan gives every layer its own key, and a seed gives the same weights in either layout. A config
+  that cannot scan (ALBERT sharing single sublayers) initialises as it runs.
+  """
+  config = family.config
+  try:
+    scanned = dataclasses.replace(family, config=dataclasses.replace(config, scan_layers=True))
+  except ValueError:
+    scanned = family
+  example = example_batch(family, batch_shapes)
+  params = scanned.make_model().init(rngs, example)["params"]
+  return params if scanned.config.scan_layers == config.scan_layers else _unrolled(params)
+
+
+def _unrolled(params):
+  """Scanned stacks' params (boxed or not, traced or not) laid out as unrolled `layer_<i>` modules, as
+  `layers.unstack_layer_params` lays out host arrays."""
+  if not isinstance(params, Mapping):
+    return params
+  out = {}
+  for key, value in params.items():
+    if key != layers.SCANNED_STACK:
+      out[key] = _unrolled(value)
+      continue
+    for index in range(jax.tree.leaves(value)[0].shape[0]):
+      layer = jax.tree.map(lambda leaf: leaf[index], value)
+      out[layers.unrolled_layer_name(index)] = meta.remove_axis(layer, 0, {nn.PARTITION_NAME: "layers"})
+  return out
 
 
 def resolve_microbatches(batch_size: int, groups: int, microbatches: int,
@@ -99,8 +135,8 @@ def make_setup(family: Family, feature_lengths: Mapping[str, int], batch_size: i
   rules = partitioning.AXIS_RULES
   model = family.make_model()
   batch_shapes = family.feature_shapes(batch_size, feature_lengths)
-  boxed = jax.eval_shape(lambda: model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(0)},
-                                            example_batch(family, batch_shapes)))["params"]
+  key = jax.random.PRNGKey(0)
+  boxed = jax.eval_shape(lambda: initial_params(family, batch_shapes, {"params": key, "dropout": key}))
   param_shardings = partitioning.logical_shardings(nn.get_partition_spec(boxed), mesh, rules)
   replicated = partitioning.replicated(mesh)
   abstract_opt = jax.eval_shape(optimizer.init, nn.unbox(boxed))

@@ -13,7 +13,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
-from pretrain import checkpoints, lease, partitioning, run_files, signals, steps
+from pretrain import checkpoints, compilation_cache, lease, partitioning, run_files, signals, steps
 from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
@@ -136,7 +136,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           eval_every_steps: int = 1000, eval_steps: int = 10, keep_checkpoints: int = 3, seed: int = 0,
           microbatches: int = 1, microbatch_rows_per_group: Optional[int] = None, num_slices: int = 1,
           data_shards: Optional[int] = None, max_skipped_in_a_row: int = 10, save_attempts: int = 4,
-          profile_steps: Optional[Tuple[int, int]] = None) -> Dict[str, Any]:
+          profile_steps: Optional[Tuple[int, int]] = None,
+          compilation_cache_dir: Optional[str] = None) -> Dict[str, Any]:
   """Trains until `train_steps`, resuming from the latest checkpoint in model_dir if there is one.
 
   Faults: an update with non-finite gradients is skipped (and counted); `max_skipped_in_a_row` of them
@@ -152,9 +153,11 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   Each logged step shows the speed of the steps since the last one (`pretrain.throughput`): step time,
   examples and tokens per second, MFU and the share of time spent waiting for input. The next batch is
   put on the devices while a step runs. `profile_steps` (first, last): a trace of those steps in
-  MODEL_DIR/profile (`pretrain.profiling`).
-  Returns a summary: first and last logged loss, the step reached, whether it was preempted, and
-  the checkpoint directory.
+  MODEL_DIR/profile (`pretrain.profiling`). Compiled programs are cached in `compilation_cache_dir`
+  (`pretrain.compilation_cache`; default MODEL_DIR/compilation_cache), and a line after start-up says how
+  many were loaded from it and how many compiled.
+  Returns a summary: first and last logged loss, the step reached, whether it was preempted, the
+  checkpoint directory, and the programs the run `compiled` and `loaded` from the compilation cache.
   """
   if train_steps < 1:
     raise ConfigError(f"TRAIN_STEPS={train_steps}: expected a positive number of steps")
@@ -171,7 +174,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                                 partitioning.data_parallel_groups(mesh), seed, data_shards)
   directory.mkdir(parents=True, exist_ok=True)
   with (lease.held(model_dir, jax.process_index() == 0) as took_over, mesh, nn.logical_axis_rules(setup.rules),
-        profiler):
+        profiler, compilation_cache.used(compilation_cache_dir, model_dir) as compiles):
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)
@@ -205,6 +208,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       step_fn = step_fn.lower(state, batch).compile()
     signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
+    say(compiles.line())
 
     def logged(s: int) -> bool:
       return s % log_every_steps == 0 or s == train_steps
@@ -249,4 +253,5 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                      "the same command resumes there")
   writer.close()
   return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-          "steps": step, "preempted": preempted, "checkpoint_dir": str(checkpoints.checkpoint_dir(model_dir))}
+          "steps": step, "preempted": preempted, "checkpoint_dir": str(checkpoints.checkpoint_dir(model_dir)),
+          "compiled": compiles.compiled, "loaded": compiles.loaded}

@@ -132,6 +132,7 @@ def make_setup(family: Family, feature_lengths: Mapping[str, int], batch_size: i
     raise ConfigError(f"BATCH_SIZE={batch_size} is not divisible by MICROBATCHES={microbatches} × the mesh's "
                       f"{groups} data-parallel groups")
   family.check_microbatch_rows(batch_size // (microbatches * groups))
+  family = family.for_device(mesh.devices.flat[0])
   rules = partitioning.AXIS_RULES
   model = family.make_model()
   batch_shapes = family.feature_shapes(batch_size, feature_lengths)

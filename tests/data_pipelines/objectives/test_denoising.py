@@ -416,4 +416,11 @@ def test_the_tasks_use_every_token_of_long_documents(objective, demo_paths):
       inputs = example["encoder_input_ids"][example["encoder_input_ids"] > 0]
       found += reassemble(inputs[:-1].tolist(), targets[:-1].tolist(), last_token_id)[0]
   assert len(examples) > 100
-  assert found == document_tokens
+  if objective == "t5_span_corruption":
+    assert found == document_tokens
+    return
+  # BART, as fairseq, drops blocks of one token (a document's last sentence, or the end of one cut into
+  # blocks): what remains is the documents' tokens in order, a few lone ones short.
+  remaining = iter(document_tokens)
+  assert all(token in remaining for token in found)  # an in-order subsequence
+  assert 0 <= len(document_tokens) - len(found) <= 0.001 * len(document_tokens)

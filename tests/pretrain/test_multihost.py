@@ -184,7 +184,9 @@ def test_a_damaged_newest_checkpoint_is_set_aside_once_and_both_processes_resume
   said = lines_of(interrupted_run["interrupted"]["output"], 0)
   named = [line for line in said if " is damaged: " in line]
   assert len(named) == 1 and named[0].startswith(f"checkpoint {model_dir / 'checkpoints' / str(damaged)} is damaged")
-  assert "checksum mismatch" in named[0] and named[0].endswith(f"set aside in {model_dir / 'damaged' / str(damaged)}")
+  # A flipped bit gives wrong values (checksum mismatch) or, in a compressed chunk, bytes that do not decode.
+  assert "checksum mismatch" in named[0] or "unreadable" in named[0]
+  assert named[0].endswith(f"set aside in {model_dir / 'damaged' / str(damaged)}")
   assert f"resumed from step 5 in {model_dir / 'checkpoints'}" in said
   assert [p.name for p in (model_dir / "damaged").iterdir()] == [str(damaged)]
   assert not [line for line in lines_of(interrupted_run["interrupted"]["output"], 1) if "damaged" in line]

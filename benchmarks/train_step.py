@@ -51,7 +51,6 @@ import warnings
 
 FAMILY_NAMES = ("bert", "albert", "xlnet", "bart")
 DEVICES = ("cpu", "gpu", "tpu")
-ATTENTION_CHOICES = ("xla", "cudnn", "pallas", "auto")
 VOCAB_SIZE = 32000
 LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS = 1e-4, 10, 10000  # the schedule's shape only; no run ends
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,6 +85,7 @@ def names(text: str, known) -> list:
 
 
 def make_parser() -> argparse.ArgumentParser:
+  from models.layers import ATTENTION_IMPLEMENTATIONS
   parser = argparse.ArgumentParser(prog="python benchmarks/train_step.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--families", type=lambda s: names(s, FAMILY_NAMES), default=list(FAMILY_NAMES),
@@ -93,7 +93,7 @@ def make_parser() -> argparse.ArgumentParser:
   parser.add_argument("--sizes", type=lambda s: names(s, SIZE_NAMES), default=list(SIZES),
                       help=f"comma-separated, of {','.join(SIZE_NAMES)} (default: tiny,small)")
   parser.add_argument("--device", choices=DEVICES, default="cpu", help="where both sides run (default: cpu)")
-  parser.add_argument("--attention", type=lambda s: names(s, ATTENTION_CHOICES), default=["auto"],
+  parser.add_argument("--attention", type=lambda s: names(s, ATTENTION_IMPLEMENTATIONS), default=["auto"],
                       help="our attention implementations to time side by side (default: auto)")
   parser.add_argument("--attention_dropout", type=float, default=None,
                       help="the attention-probability dropout of BERT, ALBERT and BART on both sides (default: "

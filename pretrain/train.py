@@ -27,7 +27,14 @@ def main(argv) -> None:
   summary = trainer.train(**cli.bound_arguments(trainer.train))
   if jax.process_index() == 0 and not summary["preempted"]:
     print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
-          f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}")
+          f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}{_goodput(summary['goodput'])}")
+
+
+def _goodput(shares) -> str:
+  if shares is None:  # its records could not be read
+    return ""
+  this_start, run = shares
+  return f"; goodput {this_start:.0%} of this start, {run:.0%} of the run so far (python -m pretrain.goodput)"
 
 
 if __name__ == "__main__":

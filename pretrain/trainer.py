@@ -3,6 +3,7 @@
 It knows models only through a `Family` (pretrain/families/base.py) and data only through a seqio
 task name and `data_pipelines.input_pipeline`; the state and the jitted steps are `pretrain.steps`.
 """
+import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import flax.linen as nn
@@ -13,7 +14,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
-from pretrain import checkpoints, compilation_cache, lease, partitioning, run_files, signals, steps
+from pretrain import (checkpoints, compilation_cache, goodput_events, lease, optimizers, partitioning, run_files,
+                      signals, steps)
 from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
@@ -105,10 +107,13 @@ def _evaluate(setup: steps.Setup, eval_fn, params, batches) -> Dict[str, float]:
   return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
-def _write_logged_step(step: int, metrics, throughput: Throughput, writer: MetricsWriter) -> Dict[str, Any]:
+def _write_logged_step(step: int, metrics, throughput: Throughput, writer: MetricsWriter,
+                       events: goodput_events.EventLog) -> Dict[str, Any]:
   """Writes a logged step's metrics and the speed of the window it ends; returns them, on the host."""
   metrics = jax.device_get(metrics)  # here the step has finished: the window ends
-  metrics.update(throughput.window(step))
+  speed = throughput.window(step)
+  metrics.update(speed)
+  events.window(step, speed, int(metrics["skipped_steps"]))
   writer.write(step, metrics)
   warning = throughput.input_warning(step, metrics["input_wait"])
   if warning:
@@ -155,9 +160,11 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   put on the devices while a step runs. `profile_steps` (first, last): a trace of those steps in
   MODEL_DIR/profile (`pretrain.profiling`). Compiled programs are cached in `compilation_cache_dir`
   (`pretrain.compilation_cache`; default MODEL_DIR/compilation_cache), and a line after start-up says how
-  many were loaded from it and how many compiled.
+  many were loaded from it and how many compiled. Process 0 records where the start's time goes in
+  MODEL_DIR/goodput.jsonl (`pretrain.goodput_events`; `python -m pretrain.goodput` reports).
   Returns a summary: first and last logged loss, the step reached, whether it was preempted, the
-  checkpoint directory, and the programs the run `compiled` and `loaded` from the compilation cache.
+  checkpoint directory, the programs the run `compiled` and `loaded` from the compilation cache, and
+  `goodput`: (this start's share of goodput, the run's so far) on process 0, else None.
   """
   if train_steps < 1:
     raise ConfigError(f"TRAIN_STEPS={train_steps}: expected a positive number of steps")
@@ -174,7 +181,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                                 partitioning.data_parallel_groups(mesh), seed, data_shards)
   directory.mkdir(parents=True, exist_ok=True)
   with (lease.held(model_dir, jax.process_index() == 0) as took_over, mesh, nn.logical_axis_rules(setup.rules),
-        profiler, compilation_cache.used(compilation_cache_dir, model_dir) as compiles):
+        profiler, compilation_cache.used(compilation_cache_dir, model_dir) as compiles,
+        goodput_events.EventLog(model_dir, write=jax.process_index() == 0) as events):
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)
@@ -185,7 +193,10 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         data.check_examples("validation", say=say)  # now, not at the first eval
     saver = checkpoints.Saver(model_dir, keep_checkpoints, train_iterator, run_config.to_json(), say, save_attempts)
     signals.at("restoring or initializing the train state")
+    state_began = time.time()
     state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed)
+    events.state_ready(time.time() - state_began, int(state.step),
+                       int(jax.device_get(optimizers.skipped_updates(state.opt_state)["skipped_steps"])))
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
     if took_over:
       say(took_over)
@@ -194,7 +205,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           f"process stopped while saving, to be removed before the next save: {', '.join(unfinished)}")
     for note in notes:
       say(note)
-    step_fn, eval_fn = steps.jit_train_step(setup), steps.jit_eval_step(setup)
+    step_fn = steps.jit_train_step(setup)
+    eval_fn = events.compiled_on_first_call(steps.jit_eval_step(setup), "eval_step")
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     say(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
                    f"global batch {batch_size}, {jax.process_count()} process(es)")
@@ -205,7 +217,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     batch = partitioning.global_batch(next(train_iterator), mesh) if step < train_steps else None
     if batch is not None:  # compiled here, not at the first step, so that a signal meanwhile stops the run
       signals.at("compiling the train step")
-      step_fn = step_fn.lower(state, batch).compile()
+      with events.timed("compile", what="train_step"):
+        step_fn = step_fn.lower(state, batch).compile()
     signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
     say(compiles.line())
@@ -216,11 +229,13 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     def finish(s: int, metrics) -> None:
       """Step s's outputs, read once the step after it is dispatched: reading them leaves no device idle."""
       if logged(s):
-        metrics = _write_logged_step(s, metrics, throughput, writer)
+        metrics = _write_logged_step(s, metrics, throughput, writer, events)
         losses.append(float(metrics["loss"]))
       _stop_if_diverging(s, metrics, max_skipped_in_a_row, saver.manager, model_dir)
 
     unread = None  # (step, metrics) of the step dispatched last
+    if step < train_steps:
+      events.record("first_step", step=step + 1)
     while step < train_steps and not preempted:
       profiler.before(step + 1)
       state, metrics = step_fn(state, batch)
@@ -234,12 +249,16 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       if eval_every_steps and step % eval_every_steps == 0 and data.has_split("validation"):
         finish(*unread)  # the eval waits for this step anyway; its line comes after the step's
         unread = None
-        writer.write(step, _evaluate(setup, eval_fn, state.params, data.take("validation", eval_steps)),
-                     split="eval")
+        with events.timed("eval", step=step):
+          eval_metrics = _evaluate(setup, eval_fn, state.params, data.take("validation", eval_steps))
+        writer.write(step, eval_metrics, split="eval")
       # Every process calls this at every step; after a SIGTERM to any of them, all return True at one step.
       preempted = multihost_utils.reached_preemption_sync_point(step)
+      if preempted:
+        events.record("preemption", step=step)
       if step % checkpoint_every_steps == 0 or step == train_steps or preempted:
-        saver.save(step, state)
+        with events.timed("save", step=step):
+          saver.save(step, state)
       if step < train_steps and not preempted:
         # Onto the devices while this step runs; only now, after any save of this step: a checkpoint holds
         # the data iterator, which must stand after this step's batch, not the next one's.
@@ -247,11 +266,13 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           batch = partitioning.global_batch(next(train_iterator), mesh)
     if unread:
       finish(*unread)
-    saver.finish(step, state)
+    with events.timed("save", step=step):
+      saver.finish(step, state)
     if preempted:
       say(f"preempted: saved a checkpoint at step {step} in {checkpoints.checkpoint_dir(model_dir)}; "
                      "the same command resumes there")
+    events.record("end", how="preempted" if preempted else "finished", step=step)
   writer.close()
   return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
           "steps": step, "preempted": preempted, "checkpoint_dir": str(checkpoints.checkpoint_dir(model_dir)),
-          "compiled": compiles.compiled, "loaded": compiles.loaded}
+          "compiled": compiles.compiled, "loaded": compiles.loaded, "goodput": events.goodput_shares()}

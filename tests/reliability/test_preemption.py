@@ -1,7 +1,7 @@
 """A preemption notice (SIGTERM), or Ctrl-C, costs no steps: the run saves the step it reached and exits 0,
-and the same command resumes there with the losses of a run that was never interrupted. Before the first
-step a signal stops the run at once, leaving nothing half-written. (tests/pretrain/test_multihost.py sends
-them to two processes.)"""
+and the same command resumes there with the losses of a run that was never interrupted; its goodput records
+account for the wall time of both starts. Before the first step a signal stops the run at once, leaving nothing
+half-written. (tests/pretrain/test_multihost.py sends them to two processes.)"""
 import os
 import signal
 import subprocess
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from helpers import SMALL_BERT, logged_losses, small_bert_flags, start_module, train
-from pretrain import trainer
+from pretrain import goodput, trainer
 from pretrain.errors import Interrupted
 
 TRAIN_STEPS = 400  # far more than run before the signal arrives: the schedule is pinned to this length
@@ -38,6 +38,7 @@ def start_then_interrupt(model_dir, after_step: int):
 
 def test_ctrl_c_saves_the_step_reached_as_a_preemption_and_the_restart_loses_nothing(tmp_path):
   preempted = tmp_path / "preempted"
+  launched = time.time()
   code, output = start_then_interrupt(preempted, after_step=3)
   assert code == 0, output[-3000:]
   saved = [int(p.name) for p in (preempted / "checkpoints").iterdir() if p.name.isdigit()]
@@ -54,6 +55,18 @@ def test_ctrl_c_saves_the_step_reached_as_a_preemption_and_the_restart_loses_not
   a, b = logged_losses(straight), logged_losses(preempted)
   assert sorted(b) == list(range(1, step + 4))
   np.testing.assert_array_equal([a[s] for s in sorted(a)], [b[s] for s in sorted(a)])  # bitwise on CPU
+
+  # Ctrl-C reached the run as a SIGTERM to itself: JAX's preemption notice. Goodput: the wall time from the
+  # process's start to the resumed run's end adds up, and no step was recomputed.
+  goodput.main([str(preempted), f"--png={tmp_path / 'timeline.png'}"])
+  run = goodput.account(goodput.read_records(preempted))
+  assert [(s.how, s.first_step, s.reached) for s in run.starts] == [("preempted", 0, step),
+                                                                     ("finished", step, step + 3)]
+  assert launched - 1 <= run.starts[0].began <= launched + 1 and run.starts[1].ended <= time.time()
+  assert abs(sum(run.seconds.values()) - run.wall_seconds) <= 0.02 * run.wall_seconds
+  assert run.seconds["recomputed steps"] == 0 and run.seconds["compile"] > 0 and run.seconds["goodput"] > 0
+  assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+  assert resumed["goodput"] == (run.starts[1].goodput_share, run.goodput_share)
 
 
 def test_sigterm_during_start_up_stops_the_run_leaving_nothing_half_written(tmp_path, demo_paths, monkeypatch):

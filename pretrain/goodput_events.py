@@ -1,0 +1,128 @@
+"""What each start of a run records for `pretrain.goodput`: events appended to MODEL_DIR/goodput.jsonl.
+
+One JSON object a line: `start` (this start's id, so that restarts are told apart), `kind`, `time` (time.time()
+when it happened or ended) and, where they apply, `seconds` (how long it took) and `step`. Kinds:
+  start       the process started: `time` is the process's start, since its imports, joining the job and reading
+              the task are a start's cost too
+  init        a fresh state (or one around imported weights) at `step` 0, `seconds`
+  restore     a resume from the checkpoint at `step`, `seconds`
+  compile     `what` ('train_step', or 'eval_step': its first call), `seconds`
+  first_step  the first step, `step`, is dispatched: the train loop is ready
+  steps       a logged window up to `step`: `steps` run, `seconds` of wall time, `input_seconds` waiting for input,
+              `skipped` updates (non-finite gradients)
+  save        a checkpoint's blocking time at `step`, `seconds`
+  eval        an eval at `step`, `seconds`
+  preemption  the processes agreed to stop at `step`
+  end         `how`: 'finished', 'preempted' or 'stopped' (with the `error`'s type), at `step`
+Timed records never overlap: time recorded inside another timed block (the eval step's compile in the first eval)
+is left out of the outer one's `seconds`.
+
+Only process 0 writes. One file for the run's whole life: on gs:// an append rewrites the object (objects are
+immutable; `storage.append_text`), as metrics.jsonl's appends do, and a start writes about a record per logged
+window, under a MB in days. An object is replaced whole or not at all, and the lease keeps other runs out, so no
+record is torn or lost to a concurrent writer.
+"""
+import contextlib
+import json
+import time
+import uuid
+from typing import Callable, Dict, Optional, Tuple
+
+import psutil  # orbax-checkpoint's dependency
+import tensorflow as tf
+from etils import epath
+
+from data_pipelines import storage
+from pretrain import goodput
+from pretrain.errors import one_line
+
+
+def process_start_time() -> float:
+  return psutil.Process().create_time()
+
+
+class EventLog:
+  """A start's records. As a context it writes `start` on entry and, if the block raises, `end` 'stopped';
+  the trainer records a normal end. Where not `write` (processes other than 0) nothing is written."""
+  def __init__(self, model_dir: str, write: bool):
+    self.model_dir, self.write = model_dir, write
+    self.path = str(epath.Path(model_dir) / goodput.FILE_NAME)
+    self.start_id = uuid.uuid4().hex[:12]
+    self.step = 0  # the furthest step recorded, for an `end` the trainer did not record
+    self._window_step, self._skipped_updates = 0, 0  # where the next logged window starts
+    self._inner_seconds = [0.0]  # per open `timed` block, the seconds recorded inside it
+    self._failing = False  # the last write failed: its warning is out
+
+  def __enter__(self) -> "EventLog":
+    self.record("start", time=process_start_time())
+    return self
+
+  def __exit__(self, error_type, error, traceback) -> None:
+    if error is not None:
+      self.record("end", how="stopped", error=error_type.__name__, step=self.step)
+
+  def record(self, kind: str, **fields) -> None:
+    record = {"start": self.start_id, "kind": kind, "time": time.time(), **fields}
+    self.step = max(self.step, fields.get("step", 0))
+    if not self.write:
+      return
+    try:
+      storage.append_text(self.path, json.dumps(record) + "\n")
+      self._failing = False
+    except (OSError, tf.errors.OpError) as e:  # a record is not worth a run
+      if not self._failing:
+        print(
+            f"warning: cannot write goodput records in {self.path} ({type(e).__name__}: {one_line(e)}); training "
+            "goes on", flush=True)
+      self._failing = True
+
+  @contextlib.contextmanager
+  def timed(self, kind: str, **fields):
+    """Records the block's seconds, less those recorded inside it, even if it raises."""
+    began = time.time()
+    self._inner_seconds.append(0.0)
+    try:
+      yield
+    finally:
+      inner, elapsed = self._inner_seconds.pop(), time.time() - began
+      self._inner_seconds[-1] += elapsed
+      self.record(kind, seconds=elapsed - inner, **fields)
+
+  def compiled_on_first_call(self, fn: Callable, what: str) -> Callable:
+    """`fn`, a jitted function, with its first call (the one that compiles it) recorded as a compile of `what`."""
+    calls = 0
+
+    def call(*args):
+      nonlocal calls
+      calls += 1
+      if calls > 1:
+        return fn(*args)
+      with self.timed("compile", what=what):
+        return fn(*args)
+
+    return call
+
+  def state_ready(self, seconds: float, step: int, skipped_updates: int) -> None:
+    """The train state is at `step` (0: initialised, else restored), after `seconds`, with the run's count of
+    skipped updates so far."""
+    self.record("restore" if step else "init", seconds=seconds, step=step)
+    self._window_step, self._skipped_updates = step, skipped_updates
+
+  def window(self, step: int, speed: Dict[str, float], skipped_updates: int) -> None:
+    """A logged window up to `step`: `speed` as `pretrain.throughput` measured it, `skipped_updates` the run's count."""
+    steps = step - self._window_step
+    seconds = speed["step_time"] * steps
+    self.record("steps", step=step, steps=steps, seconds=seconds, input_seconds=speed["input_wait"] * seconds,
+                skipped=skipped_updates - self._skipped_updates)
+    self._window_step, self._skipped_updates = step, skipped_updates
+
+  def goodput_shares(self) -> Optional[Tuple[float, float]]:
+    """(this start's goodput, the run's so far) from the records written; None where none are, or unreadable."""
+    if not self.write:
+      return None
+    try:
+      run = goodput.account(goodput.read_records(self.model_dir))
+    except (OSError, tf.errors.OpError) as e:
+      print(f"warning: cannot read goodput records in {self.path} ({type(e).__name__}: {one_line(e)})", flush=True)
+      return None
+    return run.start(self.start_id).goodput_share, run.goodput_share

@@ -34,7 +34,7 @@ def _goodput(shares) -> str:
   if shares is None:  # its records could not be read
     return ""
   this_start, run = shares
-  return f"; goodput {this_start:.0%} of this start, {run:.0%} of the run so far (python -m pretrain.goodput)"
+  return f"; goodput {this_start:.0%} of this start, {run:.0%} of the run so far (python -m pretrain.goodput MODEL_DIR)"
 
 
 if __name__ == "__main__":

@@ -127,3 +127,13 @@ def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_
   with pytest.raises(RuntimeError), events:
     raise RuntimeError("a fault")
   assert goodput.read_records(str(tmp_path))[-1]["how"] == "stopped"
+
+
+def test_records_append_in_a_bucket_and_read_back(gcs_bucket):
+  """On gs:// an object cannot be appended to: each record rewrites it, and none is lost."""
+  model_dir = f"{gcs_bucket}/goodput_run"
+  with goodput_events.EventLog(model_dir, write=True) as events:
+    events.state_ready(1.0, 0, 0)
+    events.record("end", how="finished", step=0)
+  assert [r["kind"] for r in goodput.read_records(model_dir)] == ["start", "init", "end"]
+  assert events.goodput_shares() == (0.0, 0.0)

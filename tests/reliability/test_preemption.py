@@ -71,7 +71,7 @@ def test_ctrl_c_saves_the_step_reached_as_a_preemption_and_the_restart_loses_not
 
 def test_sigterm_during_start_up_stops_the_run_leaving_nothing_half_written(tmp_path, demo_paths, monkeypatch):
   """SIGTERM while XLNet tokenizes its corpus on first use (here, in this process): the run stops, saying so,
-  with no part of a token file left behind and its MODEL_DIR's lease released."""
+  with no part of a token file left behind, its MODEL_DIR's lease released and the stop in its goodput records."""
   corpus = tmp_path / "corpus.txt"  # a corpus of its own, so that it is tokenized now, and big enough to take seconds
   corpus.write_text(Path(demo_paths["train"]).read_text() * 6)
   cache, model_dir = tmp_path / "cache", tmp_path / "run"
@@ -94,4 +94,5 @@ def test_sigterm_during_start_up_stops_the_run_leaving_nothing_half_written(tmp_
                                             "VALIDATION_FILES = None"])
   assert e.value.exit_code == 128 + signal.SIGTERM and time.monotonic() - started < 60
   assert [p.name for p in cache.rglob("*") if p.is_file()] == []  # the part being written is gone
-  assert sorted(p.name for p in model_dir.iterdir()) == ["vocab.model"]  # no lease, no checkpoint
+  assert sorted(p.name for p in model_dir.iterdir()) == ["goodput.jsonl", "vocab.model"]  # no lease, no checkpoint
+  assert goodput.read_records(model_dir)[-1]["error"] == "Interrupted"  # the start's time is accounted for

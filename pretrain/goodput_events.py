@@ -36,7 +36,6 @@ from data_pipelines import storage
 from pretrain import goodput
 from pretrain.errors import one_line
 
-
 _IMPORTED = time.time()
 
 
@@ -55,12 +54,13 @@ def process_start_time() -> float:
 class EventLog:
   """A start's records. As a context it writes `start` on entry and, if the block raises, `end` 'stopped';
   the trainer records a normal end. Where not `write` (processes other than 0) nothing is written."""
+
   def __init__(self, model_dir: str, write: bool):
     self.model_dir, self.write = model_dir, write
     self.path = str(epath.Path(model_dir) / goodput.FILE_NAME)
     self.start_id = uuid.uuid4().hex[:12]
-    self.step = 0  # the furthest step recorded, for an `end` the trainer did not record
-    self._window_step, self._skipped_updates = 0, 0  # where the next logged window starts
+    self.step = 0  # the step the state was at, or the last logged one: for an `end` the trainer did not record
+    self._skipped_updates = 0  # the run's count at `step`
     self._inner_seconds = [0.0]  # per open `timed` block, the seconds recorded inside it
     self._failing = False  # the last write failed: its warning is out
 
@@ -74,7 +74,6 @@ class EventLog:
 
   def record(self, kind: str, **fields) -> None:
     record = {"start": self.start_id, "kind": kind, "time": time.time(), **fields}
-    self.step = max(self.step, fields.get("step", 0))
     if not self.write:
       return
     try:
@@ -117,15 +116,15 @@ class EventLog:
     """The train state is at `step` (0: initialised, else restored), after `seconds`, with the run's count of
     skipped updates so far."""
     self.record("restore" if step else "init", seconds=seconds, step=step)
-    self._window_step, self._skipped_updates = step, skipped_updates
+    self.step, self._skipped_updates = step, skipped_updates
 
   def window(self, step: int, speed: Dict[str, float], skipped_updates: int) -> None:
     """A logged window up to `step`: `speed` as `pretrain.throughput` measured it, `skipped_updates` the run's count."""
-    steps = step - self._window_step
+    steps = step - self.step
     seconds = speed["step_time"] * steps
     self.record("steps", step=step, steps=steps, seconds=seconds, input_seconds=speed["input_wait"] * seconds,
                 skipped=skipped_updates - self._skipped_updates)
-    self._window_step, self._skipped_updates = step, skipped_updates
+    self.step, self._skipped_updates = step, skipped_updates
 
   def goodput_shares(self) -> Optional[Tuple[float, float]]:
     """(this start's goodput, the run's so far) from the records written; None where none are, or unreadable."""

@@ -1,0 +1,387 @@
+"""The layout search of `pretrain.plan --search`: the mesh, microbatches, remat and scan_layers that run a
+model fastest on a slice, found with few compiles.
+
+Layouts: meshes that split each slice's devices into data × fsdp × model (model dividing the heads; several
+slices put `replica` across them), microbatch counts that divide every data-parallel group's rows (the rest,
+e.g. odd rows under XLNet's bi_data, are what steps.make_setup refuses), remat 'none', 'dots' or 'full',
+and layers unrolled or scanned. Cheapest pruning first:
+1. Memory arithmetic: a mesh whose parameters, gradients and optimizer state (bytes per device under its
+   shardings) exceed the usable HBM is discarded without compiling.
+2. Estimates from small compiles (roofline.unrolled_figures: stacks of 1 and 2 layers, extrapolated to full
+   depth). More fsdp only adds collectives, more microbatches loop overhead and more remat recomputation,
+   while each saves memory: a layout with at least as much of all three as a fitting one is dominated and
+   not compiled (LayoutSearch.explore_model_split). Meshes of one model size split the batch alike, so
+   their activations are alike: a layout whose state plus the activations measured beside it, scaled by
+   the rows per microbatch, exceeds the HBM is not compiled either.
+3. A scanned layout does its unrolled twin's work, so it takes the twin's estimate; its memory is known
+   once it is compiled at full size.
+4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures.
+"""
+import dataclasses
+import math
+import time
+from typing import Callable, Dict, List, Optional
+
+from pretrain import roofline
+from pretrain.errors import ConfigError
+
+REMAT_POLICIES = ("none", "dots", "full")  # each keeps fewer activations for the backward pass, recomputes more
+HEAD_COUNT_FIELDS = ("num_heads", "n_head")  # model configs' attention heads: BERT, ALBERT and BART; XLNet
+DEFAULT_CONFIRM = 3
+MAX_CONFIRM = 8  # full-size compiles of a large model take minutes each
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  mesh: tuple  # (axis, size) for every axis of partitioning.MESH_AXES
+  microbatches: int
+  remat: str
+  scan_layers: bool
+
+  @property
+  def mesh_shape(self) -> dict:
+    return dict(self.mesh)
+
+  def label(self) -> str:
+    axes = " ".join(f"{axis}={size}" for axis, size in self.mesh if size > 1) or "data=1"
+    return f"{axes} mb={self.microbatches} remat={self.remat} {'scan' if self.scan_layers else 'unrolled'}"
+
+  def gin_bindings(self, config_name: str) -> List[str]:
+    return [f"MESH_SHAPE = {self.mesh_shape}", f"MICROBATCHES = {self.microbatches}",
+            f"{config_name}.remat_policy = '{self.remat}'", f"{config_name}.scan_layers = {self.scan_layers}"]
+
+
+@dataclasses.dataclass
+class Candidate:
+  """A layout with its figures: estimated from small compiles, or confirmed by compiling it at full size."""
+  layout: Layout
+  plan: roofline.Plan  # figures None: the compiler refused even its small steps
+  confirmed: bool = False
+
+  @property
+  def fits(self) -> bool:
+    return self.plan.figures is not None and self.plan.headroom >= 0
+
+  def rank_key(self) -> tuple:
+    """Fitting layouts first, fastest (collectives overlapped) first; unrolled before its scanned twin."""
+    seconds = self.plan.overlapped_seconds() if self.plan.figures else math.inf
+    return (not self.fits, seconds, self.layout.scan_layers, not self.confirmed)
+
+
+@dataclasses.dataclass
+class SearchResult:
+  candidates: List[Candidate]  # ranked
+  best: Optional[Candidate]  # the fastest confirmed fitting layout, with at least HEADROOM_WARNING free if any has
+  layouts: int  # how many the search considered
+  discarded: Dict[str, int]  # layouts not compiled, by reason
+  compiles: int
+  seconds: float
+  stopped_early: bool  # max_minutes ran out
+  config_name: str  # how gin names the model config, e.g. bert.BertConfig
+  suggestion: str = ""  # when nothing fits: the smallest change that would
+
+
+def config_name(config) -> str:
+  """How gin files name a model config class: `<module>.<class>` (gin_configs/models import models.<module>)."""
+  return f"{type(config).__module__.rsplit('.', 1)[-1]}.{type(config).__name__}"
+
+
+def divisors(n: int) -> List[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def mesh_splits(devices_per_slice: int, num_slices: int, heads: int) -> List[tuple]:
+  """Every data × fsdp × model split of a slice with `model` dividing the heads, least model and fsdp first."""
+  return [(("replica", num_slices), ("data", devices_per_slice // (model * fsdp)), ("fsdp", fsdp), ("model", model))
+          for model in divisors(devices_per_slice) if heads % model == 0
+          for fsdp in divisors(devices_per_slice // model)]
+
+
+def state_bytes_per_device(setup) -> float:
+  """Parameters, optimizer state and carry under their shardings, plus a gradient per parameter: what a
+  device holds whatever the activations. Raises ValueError where the mesh does not divide an array."""
+  import jax
+  state = setup.sharded_abstract_state()
+
+  def shard_bytes(tree) -> float:
+    return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize for leaf in jax.tree.leaves(tree))
+
+  return shard_bytes(state) + shard_bytes(state.params)
+
+
+class LayoutSearch:
+  """One search: the run, the slice, and every compile it has made (a step compiled once serves every use)."""
+
+  def __init__(self, arguments: dict, topology: str, num_slices: int, show: Callable, deadline: float):
+    from pretrain import partitioning, trainer
+    self.arguments, self.topology, self.num_slices, self.show, self.deadline = (arguments, topology, num_slices,
+                                                                                show, deadline)
+    self.devices = roofline.slice_devices(topology, num_slices)
+    self.family = trainer.fitted_family(arguments["family"], arguments["mixture_or_task_name"],
+                                        arguments["task_feature_lengths"])
+    self.make_mesh = lambda shape: partitioning.make_mesh(shape, devices=self.devices, num_slices=num_slices)
+    self.data_parallel_groups = partitioning.data_parallel_groups
+    self.compiled: Dict[tuple, tuple] = {}  # (layout mesh, microbatches, model config) -> (figures or None, s)
+    self.compiles = 0
+    self.model_flops = None
+    self.usable_hbm = None
+    self.discarded: Dict[str, int] = {}  # layouts not compiled: how many, by reason
+
+  @property
+  def out_of_time(self) -> bool:
+    return time.time() > self.deadline
+
+  def config(self, layout: Layout):
+    return dataclasses.replace(self.family.config, remat_policy=layout.remat, scan_layers=layout.scan_layers)
+
+  def setup(self, layout: Layout, config=None):
+    family = dataclasses.replace(self.family, config=config or self.config(layout))
+    return roofline.run_setup(self.arguments, family, self.make_mesh(layout.mesh_shape), layout.microbatches)
+
+  def plan(self, layout: Layout, figures, compile_seconds: float) -> roofline.Plan:
+    setup = self.setup(layout)
+    if self.model_flops is None:  # the same for every layout: the global batch's matmuls
+      self.model_flops = roofline.model_flops_per_step(setup)
+    described = roofline.describe(setup, self.arguments, self.topology, self.num_slices)
+    return dataclasses.replace(described, figures=figures, compile_seconds=compile_seconds,
+                               model_flops=self.model_flops)
+
+  def figures_of(self, layout: Layout, config, what: str):
+    """The figures of the layout's step with this model config, compiled once; None where XLA refuses it."""
+    key = (layout.mesh, layout.microbatches, config)
+    if key not in self.compiled:
+      setup = self.setup(layout, config)  # before counting: make_setup may refuse the layout
+      self.compiles += 1
+      self.show(f"[{self.compiles}] {layout.label()}: {what} ...")
+      try:
+        self.compiled[key] = roofline.measure(setup)
+      except roofline.DoesNotFit:
+        self.compiled[key] = (None, 0.0)
+      self.show(f"[{self.compiles}] {layout.label()}: {what} {self.compiled[key][1]:.0f} s")
+    return self.compiled[key]
+
+  def estimate(self, layout: Layout) -> Candidate:
+    """The layout's figures from small unrolled compiles (roofline.unrolled_figures)."""
+    seconds = []
+
+    def small(config):
+      depth = "+".join(str(getattr(config, name)) for name in self.family.layer_count_fields)
+      figures, compile_seconds = self.figures_of(layout, config, f"{depth} layer(s)")
+      seconds.append(compile_seconds)
+      if figures is None:
+        raise roofline.DoesNotFit(depth)
+      return figures
+
+    try:
+      figures = roofline.unrolled_figures(self.config(layout), self.family.layer_count_fields, small)
+    except roofline.DoesNotFit:
+      figures = None
+    return Candidate(layout, self.plan(layout, figures, sum(seconds)), confirmed=self.is_full_size(layout))
+
+  def is_full_size(self, layout: Layout) -> bool:
+    """Whether the full unrolled step was among the small compiles (stacks of at most 2 layers)."""
+    return not layout.scan_layers and (layout.mesh, layout.microbatches, self.config(layout)) in self.compiled
+
+  def confirm(self, candidate: Candidate, twin: Candidate) -> Candidate:
+    """The candidate compiled at full size. A scanned step's FLOPs and bytes stay its unrolled twin's (XLA
+    counts a loop body once); its memory and collectives are its own."""
+    layout = candidate.layout
+    figures, seconds = self.figures_of(layout, self.config(layout), "full size")
+    if figures is not None and layout.scan_layers:
+      figures = dataclasses.replace(figures, flops=twin.plan.figures.flops,
+                                    bytes_accessed=twin.plan.figures.bytes_accessed)
+    return Candidate(layout, self.plan(layout, figures, seconds), confirmed=True)
+
+  def hbm_limit(self, mesh: tuple) -> float:
+    """Usable HBM per device: the slice's, read once from the Plan of one of its layouts."""
+    if self.usable_hbm is None:
+      self.usable_hbm = self.plan(Layout(mesh, 1, "none", False), None, 0).hbm_limit
+    return self.usable_hbm
+
+  def valid_microbatches(self, mesh: tuple) -> List[int]:
+    groups = self.data_parallel_groups(self.make_mesh(dict(mesh)))
+    return divisors(max(1, self.arguments["batch_size"] // groups))
+
+  def run(self, confirm: int) -> SearchResult:
+    start = time.time()
+    config = self.family.config
+    heads = next(getattr(config, field) for field in HEAD_COUNT_FIELDS if hasattr(config, field))
+    meshes = mesh_splits(len(self.devices) // self.num_slices, self.num_slices, heads)
+    can_scan = _allows(config, scan_layers=True)
+    layouts_per_mesh = {mesh: len(self.valid_microbatches(mesh)) * len(REMAT_POLICIES) * (1 + can_scan)
+                        for mesh in meshes}
+    floors, least_floor, holding = {}, None, {}  # holding: model size -> meshes that hold the state, least fsdp first
+    for mesh in meshes:
+      try:
+        floors[mesh] = state_bytes_per_device(self.setup(Layout(mesh, 1, "none", False)))
+      except (ConfigError, ValueError) as e:  # make_setup's refusal; an array the mesh does not divide
+        _count(self.discarded, f"invalid ({_first_words(e)})", layouts_per_mesh[mesh])
+        continue
+      if least_floor is None or floors[mesh] < floors[least_floor]:
+        least_floor = mesh
+      if floors[mesh] > self.hbm_limit(mesh):
+        _count(self.discarded, "parameters, gradients and optimizer state alone exceed HBM", layouts_per_mesh[mesh])
+      else:
+        holding.setdefault(dict(mesh)["model"], []).append(mesh)
+    estimates = [c for split in holding.values() for c in self.explore_model_split(split, floors)]
+    fitting = [c for c in estimates if c.fits]
+    if can_scan:
+      estimates += [Candidate(dataclasses.replace(c.layout, scan_layers=True),
+                              dataclasses.replace(c.plan, scan_layers=True)) for c in fitting]
+    ranked = sorted(estimates, key=Candidate.rank_key)
+    considered = sum(layouts_per_mesh.values())
+    _count(self.discarded, "dominated by a faster fitting layout, or too big by memory arithmetic",
+           considered - len(estimates) - sum(self.discarded.values()))
+    for candidate in [c for c in ranked if c.fits][:confirm]:
+      if candidate.confirmed:  # its small compile was the full step
+        continue
+      if self.out_of_time:
+        break
+      twin = next(c for c in ranked if c.layout == dataclasses.replace(candidate.layout, scan_layers=False))
+      ranked[ranked.index(candidate)] = self.confirm(candidate, twin)
+    ranked.sort(key=Candidate.rank_key)
+    result = SearchResult(ranked, _best(ranked), considered, self.discarded, self.compiles, time.time() - start,
+                          self.out_of_time, config_name(config))
+    if result.best is None:
+      result.suggestion = self.suggestion(ranked, floors, least_floor)
+    return result
+
+  def explore_model_split(self, meshes: List[tuple], floors: dict) -> List[Candidate]:
+    """The fitting layouts that no other fitting one dominates, for meshes of one model size (least fsdp
+    first): more fsdp, microbatches or remat each save memory and cost time, so a layout is estimated
+    only where no fitting one has as little of all three. The meshes split the batch alike, so their
+    activations are alike: a mesh's HBM is predicted as its state plus the activations last measured
+    with this remat, scaled by the rows per microbatch; one predicted too big is not compiled."""
+    counts = self.valid_microbatches(meshes[0])
+    limit = self.hbm_limit(meshes[0])
+    estimates, fitting = [], []  # fitting: (mesh index, microbatches, remat index)
+    for remat_index, remat in enumerate(REMAT_POLICIES):
+      measured = None  # (activation bytes, microbatches) of the last estimate with this remat
+      for microbatches in counts:
+        undominated = min((i for i, m, r in fitting if m <= microbatches and r <= remat_index), default=len(meshes))
+        for index, mesh in enumerate(meshes[:undominated]):
+          if measured and floors[mesh] + measured[0] * measured[1] / microbatches > limit:
+            continue
+          if self.out_of_time:
+            return estimates
+          try:
+            candidate = self.estimate(Layout(mesh, microbatches, remat, False))
+          except ConfigError as e:  # e.g. bi_data's row pairs split by this many microbatches, on every mesh
+            _count(self.discarded, f"invalid ({_first_words(e)})", len(meshes))
+            break
+          estimates.append(candidate)
+          if candidate.plan.figures is not None:
+            measured = (candidate.plan.figures.hbm_total - floors[mesh], microbatches)
+          if candidate.fits:
+            fitting.append((index, microbatches, remat_index))
+            break
+    return estimates
+
+  def suggestion(self, ranked: List[Candidate], floors: dict, least_floor) -> str:
+    """The smallest change that would fit, from the layout that needed the least HBM."""
+    devices = len(self.devices)
+    if least_floor is None:
+      return "no layout is valid for this slice"
+    limit = self.hbm_limit(least_floor)
+    if floors[least_floor] > limit:
+      return (f"parameters, gradients and optimizer state alone need {floors[least_floor] / roofline.GIB:.2f} GiB "
+              f"per device on the most sharded mesh ({_mesh_label(least_floor)}), more than "
+              f"{limit / roofline.GIB:.2f} GiB: "
+              f"a slice of {_power_of_two(devices * floors[least_floor] / limit)} devices would hold them")
+    measured = [c for c in ranked if c.plan.figures is not None]
+    if not measured:
+      return "the compiler refuses even the smallest steps: use a larger slice or shorter sequences"
+    least = min(measured, key=lambda c: c.plan.figures.hbm_total)
+    layout, floor = least.layout, floors[least.layout.mesh]
+    groups = self.data_parallel_groups(self.make_mesh(layout.mesh_shape))
+    rows = self.arguments["batch_size"] // (groups * layout.microbatches)
+    per_row = (least.plan.figures.hbm_total - floor) / rows
+    rows_that_fit = int((limit - floor) // per_row)
+    if rows_that_fit >= 1:
+      return (f"BATCH_SIZE={rows_that_fit * groups * layout.microbatches} would fit with {layout.label()} "
+              f"({rows_that_fit} rows per data-parallel group per microbatch instead of {rows})")
+    return (f"{layout.label()} needs {least.plan.figures.hbm_total / roofline.GIB:.2f} GiB per device with "
+            f"{rows} row(s) per microbatch: shorter sequences, or a slice of "
+            f"{_power_of_two(devices * least.plan.figures.hbm_total / limit)} devices")
+
+
+def _allows(config, **changes) -> bool:
+  """Whether the model config takes these settings (ALBERT shares sublayers that cannot scan)."""
+  try:
+    dataclasses.replace(config, **changes)
+  except ValueError:
+    return False
+  return True
+
+
+def _best(ranked: List[Candidate]) -> Optional[Candidate]:
+  """The fastest confirmed fitting layout, preferring one with HEADROOM_WARNING of HBM free."""
+  confirmed = [c for c in ranked if c.confirmed and c.fits]
+  roomy = [c for c in confirmed if c.plan.headroom >= roofline.HEADROOM_WARNING]
+  return (roomy or confirmed or [None])[0]
+
+
+def _count(counts: dict, reason: str, layouts: int) -> None:
+  if layouts:
+    counts[reason] = counts.get(reason, 0) + layouts
+
+
+def _first_words(error: Exception) -> str:
+  return str(error).splitlines()[0][:100]
+
+
+def _mesh_label(mesh: tuple) -> str:
+  return " ".join(f"{axis}={size}" for axis, size in mesh if size > 1) or "data=1"
+
+
+def _power_of_two(at_least: float) -> int:
+  return 2 ** math.ceil(math.log2(max(at_least, 1)))
+
+
+def search(arguments: dict, topology: str, num_slices: int, confirm: int = DEFAULT_CONFIRM,
+           max_minutes: Optional[float] = None, show: Callable = print) -> SearchResult:
+  """Searches the run's layouts on the topology; `show` gets a line per compile."""
+  deadline = time.time() + 60 * max_minutes if max_minutes else math.inf
+  return LayoutSearch(arguments, topology, num_slices, show, deadline).run(confirm)
+
+
+def table_lines(result: SearchResult) -> List[str]:
+  """The ranked table, then how many layouts were not compiled and why."""
+  lines = ["rank | layout | fits: HBM per core (headroom) | step >= overlapped / not | MFU <= | compile | figures"]
+  for rank, c in enumerate(result.candidates, 1):
+    p = c.plan
+    if p.figures is None:
+      lines.append(f"{rank} | {c.layout.label()} | no: the compiler refused it | - | - | {p.compile_seconds:.0f} s | "
+                   f"{'confirmed' if c.confirmed else 'estimate'}")
+      continue
+    source = "confirmed" if c.confirmed else ("estimate (memory as unrolled)" if c.layout.scan_layers else "estimate")
+    lines.append(f"{rank} | {c.layout.label()} | {'yes' if c.fits else 'no'}: {p.figures.hbm_total / roofline.GIB:.2f} "
+                 f"of {p.hbm_limit / roofline.GIB:.2f} GiB ({p.headroom:.0%}) | {p.overlapped_seconds():.3g} s / "
+                 f"{p.serial_seconds():.3g} s | {p.mfu(p.overlapped_seconds()):.1%} | {p.compile_seconds:.0f} s | "
+                 f"{source}")
+  not_compiled = "; ".join(f"{count} {reason}" for reason, count in result.discarded.items())
+  stopped = " (stopped at --max_minutes)" if result.stopped_early else ""
+  lines.append(f"{result.layouts} layouts, {result.compiles} compiles in {result.seconds:.0f} s{stopped}; "
+               f"not compiled: {not_compiled or 'none'}")
+  return lines
+
+
+def gin_flags(result: SearchResult, arguments: dict) -> str:
+  """The best layout as pretrain.train flags."""
+  return " ".join(f'--gin.{key}="{value}"' for key, value in _bindings(result, arguments))
+
+
+def _bindings(result: SearchResult, arguments: dict) -> List[tuple]:
+  lines = result.best.layout.gin_bindings(result.config_name)
+  if arguments["microbatch_rows_per_group"] is not None:  # it would contradict MICROBATCHES
+    lines.append("MICROBATCH_ROWS_PER_GROUP = None")
+  return [tuple(part.strip() for part in line.split("=", 1)) for line in lines]
+
+
+def run_file(result: SearchResult, arguments: dict, gin_files: List[str], bindings: List[str], header: str) -> str:
+  """A run file: the searched run's gin files and command-line bindings, then the best layout, with the
+  search's table in its header."""
+  comments = [f"# {line}" for line in [header, *table_lines(result)]]
+  includes = [f"include '{path}'" for path in gin_files]
+  layout = [f"{key} = {value}" for key, value in _bindings(result, arguments)]
+  return "\n".join([*comments, *includes, "", *bindings, *layout]) + "\n"

@@ -1,0 +1,338 @@
+"""A run's training step compiled ahead of time for a TPU topology, and the roofline figures it gives.
+
+`pretrain.plan` reports one layout with these figures and `pretrain.plan_search` ranks many. The chips'
+peaks live here, and so does FLOP counting, which `pretrain.throughput` also uses. A compile gives
+per-device HBM, FLOPs and bytes per step (loop bodies multiplied out) and the bytes sent in collectives;
+a scanned stack's FLOPs and bytes, which XLA counts once, come from small unrolled compiles extrapolated
+to full depth (`unrolled_figures`).
+"""
+import dataclasses
+import math
+import re
+import time
+import warnings
+from typing import Callable, Optional
+
+from pretrain.collectives import Collectives, collective_traffic
+from pretrain.errors import ConfigError
+
+GIB = 2 ** 30
+HEADROOM_WARNING = 0.10  # below this fraction of free HBM, fragmentation or a new libtpu may tip it over
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU chip. A JAX device is a chip, or one TensorCore where the topology lists cores."""
+  cloud_name: str  # accelerator types are <cloud_name>-<TensorCores>: v3-512 is 256 chips
+  tensorcores: int
+  peak_bf16_flops: float  # FLOP/s
+  hbm_bandwidth: float  # bytes/s
+  usable_hbm_bytes: float  # what XLA lets a program use: its out-of-memory message, libtpu 0.0.42.1
+  device_kinds: tuple  # jax Device.device_kind of the generation, as jax/_src/pallas/mosaic/tpu_info.py names them
+  ici_bandwidth: float  # bytes/s one chip sends over all its ICI links together, one direction
+
+
+# Peak bf16 FLOP/s and HBM bandwidth per chip from the sources named; usable HBM measured by compiling
+# an oversized program for each generation (nominal HBM per chip in the comments). ICI bandwidth is
+# what a chip can send at once over all its links, one way: Cloud's "all-reduce bandwidth per Pod" over
+# the Pod's chips, which is also half its "bidirectional ICI bandwidth per chip" where it gives both.
+CHIPS = {
+    # Jouppi et al., "A Domain-Specific Supercomputer for Training Deep Neural Networks", CACM 2020:
+    # 46 TFLOP/s, 700 GB/s, 16 GiB (2 cores of 7.48 GiB usable); ICI 4 links of 496 Gbit/s.
+    "v2": Chip("v2", 2, 46e12, 700e9, 2 * 7.48 * GIB, ("TPU v2",), 4 * 496e9 / 8),
+    # cloud.google.com/tpu/docs/v3: 123 TFLOP/s, 900 GB/s, 32 GiB (2 cores of 15.48 GiB usable);
+    # all-reduce bandwidth 340 TB/s per Pod of 1024 chips (Jouppi et al.: 4 links of 656 Gbit/s, 328 GB/s).
+    "v3": Chip("v3", 2, 123e12, 900e9, 2 * 15.48 * GIB, ("TPU v3",), 340e12 / 1024),
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 1200 GB/s, 32 GiB (2 cores of 15.25 GiB usable);
+    # all-reduce bandwidth 1.1 PB/s per Pod of 4096 chips.
+    "v4": Chip("v4", 2, 275e12, 1200e9, 2 * 15.25 * GIB, ("TPU v4",), 1.1e15 / 4096),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 819 GB/s, 16 GB; ICI 400 GB/s per chip both ways
+    # (all-reduce bandwidth 51.2 TB/s per Pod of 256 chips).
+    "v5e": Chip("v5litepod", 1, 197e12, 819e9, 15.75 * GIB, ("TPU v5 lite", "TPU v5e"), 400e9 / 2),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 2765 GB/s, 95 GB; ICI 1200 GB/s per chip both ways.
+    "v5p": Chip("v5p", 2, 459e12, 2765e9, 95.74 * GIB, ("TPU v5", "TPU v5p"), 1200e9 / 2),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 1638 GB/s, 32 GB; ICI 800 GB/s per chip both ways
+    # (all-reduce bandwidth 102.4 TB/s per Pod of 256 chips).
+    "v6e": Chip("v6e", 1, 918e12, 1638e9, 31.25 * GIB, ("TPU v6 lite", "TPU v6e"), 800e9 / 2),
+}
+# Peak dense bf16 FLOP/s of one GPU from NVIDIA's datasheets, which give Tensor Core figures "with
+# sparsity", twice the dense ones: A100 624 TFLOP/s (SXM and PCIe); H100 1979 (SXM), 1671 (NVL), 1513
+# (PCIe); H200 1979 (SXM, as GH200), 1671 (NVL); L4 242. V100 has no bf16 nor sparsity: fp16 Tensor 125
+# (SXM2), 112 (PCIe). A pattern is a whole word of jax's device_kind ('NVIDIA H100 80GB HBM3',
+# 'Tesla V100-SXM2-16GB'); the first match wins.
+# AWS's A10G has no NVIDIA datasheet: left out (MFU n/a) rather than guessed.
+GPUS = (
+    ("A100", 312e12),
+    ("GH200", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("L4", 121e12),
+    ("V100-PCIE", 112e12),
+    ("V100", 125e12),
+)
+_TOPOLOGY = re.compile(r"(v\d+[a-z]*):(\d+(?:x\d+)*)")
+
+# train()'s arguments that shape the compiled step; the rest (paths, schedule of logging) do not.
+STEP_ARGUMENTS = ("family", "mixture_or_task_name", "task_feature_lengths", "batch_size", "mesh_shape",
+                  "optimizer", "schedule", "microbatches", "microbatch_rows_per_group", "num_slices")
+
+
+
+class DoesNotFit(Exception):
+  """The step needs more HBM than the device has; the message says so in one line."""
+
+
+def parse_topology(name: str) -> tuple:
+  """'v3:16x16' -> ('v3', 256 chips)."""
+  match = _TOPOLOGY.fullmatch(name)
+  if not match or match.group(1) not in CHIPS:
+    raise ConfigError(f"--topology={name!r}: expected <generation>:<chips per axis>, e.g. v3:16x16 "
+                     f"(generations {', '.join(CHIPS)})")
+  return match.group(1), math.prod(int(n) for n in match.group(2).split("x"))
+
+
+def peak_flops_per_device(device) -> Optional[float]:
+  """Peak bf16 FLOP/s of one JAX device, None where unknown (CPU, a GPU not in GPUS).
+
+  A TPU device is one TensorCore of a v2 or v3 chip, or a whole v4 or v5p chip (megacore: both
+  TensorCores, `num_cores` 2), as in the Plan's devices_per_chip; v5e and v6e chips have one core.
+  """
+  for chip in CHIPS.values():
+    if device.device_kind in chip.device_kinds:
+      return chip.peak_bf16_flops * getattr(device, "num_cores", 1) / chip.tensorcores
+  return next((peak for name, peak in GPUS if re.search(rf"\b{name}\b", device.device_kind)), None)
+
+
+def accelerator_type(topology: str) -> str:
+  """'v3:16x16' -> 'v3-512', the Cloud name of the slice."""
+  generation, chips = parse_topology(topology)
+  chip = CHIPS[generation]
+  return f"{chip.cloud_name}-{chips * chip.tensorcores}"
+
+
+def matmul_flops(jaxpr) -> float:
+  """2·M·N·K over every dot_general, recursing into sub-programs: scan bodies × length, the costliest
+  cond branch, while bodies once (their trip count is unknown)."""
+  import jax.extend.core as jex
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      (lhs_contracting, _), _ = eqn.params["dimension_numbers"]
+      lhs_shape = eqn.invars[0].aval.shape
+      total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs_shape[d] for d in lhs_contracting)
+    inner = [matmul_flops(sub) for sub in jex.jaxprs_in_params(eqn.params)]
+    if eqn.primitive.name == "cond":
+      total += max(inner, default=0.0)
+    elif eqn.primitive.name == "scan":
+      total += eqn.params["length"] * sum(inner)
+    else:
+      total += sum(inner)
+  return total
+
+
+def model_flops_per_step(setup) -> float:
+  """Matmul FLOPs of one step's forward and backward pass at the global batch, counted in the program
+  with remat off and layers unrolled: MFU's model FLOPs exclude recomputation, and the backward pass
+  of a scan computes a few products an unrolled one skips. (3 × forward over-counts matmuls whose
+  inputs need no gradient: XLNet's memory, relative positions and target mapping.) Attention is counted
+  as XLA computes it: a fused kernel's products are not dot_generals of the program, but the same FLOPs."""
+  import jax
+  unfused = {"attention_implementation": "xla"} if hasattr(setup.family.config, "attention_implementation") else {}
+  config = dataclasses.replace(setup.family.config, remat_policy="none", scan_layers=False, **unfused)
+  family = dataclasses.replace(setup.family, config=config)
+  plain = dataclasses.replace(setup, family=family, model=family.make_model())
+  model, state = plain.model, plain.abstract_state()
+
+  def loss(params, batch, carry):
+    outputs, _ = family.forward(model, params, batch, carry, rngs={}, deterministic=True)
+    return family.loss_and_metrics(outputs, batch)[0]
+
+  return matmul_flops(jax.make_jaxpr(jax.grad(loss))(state.params, setup.batch_shapes, state.carry).jaxpr)
+
+
+def compile_step(setup):
+  """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
+  import flax.linen as nn
+  import jax
+
+  from pretrain import partitioning, steps
+  batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=partitioning.batch_sharding(setup.mesh))
+           for k, s in setup.batch_shapes.items()}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh`, as in train(); jax prefers jax.set_mesh
+    with setup.mesh, nn.logical_axis_rules(setup.rules):
+      lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), batch)
+  try:
+    return lowered.compile()
+  except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    raise DoesNotFit(next((line for line in lines if "memory" in line.lower()), lines[0])) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFigures:
+  """What a compiled step says per device: HBM by use, FLOPs and HBM bytes per step, collectives."""
+  memory: dict  # bytes: arguments, outputs, aliased, temporaries
+  flops: float  # per step, loop bodies multiplied out
+  bytes_accessed: float  # per step, likewise
+  collectives: Collectives
+
+  @property
+  def hbm_total(self) -> float:
+    m = self.memory
+    return m["arguments"] + m["outputs"] - m["aliased"] + m["temporaries"]
+
+  def plus(self, other: "StepFigures", times: float) -> "StepFigures":
+    """self + times × other, figure by figure: steps of different depths combined linearly."""
+    by_kind = dict(self.collectives.bytes_by_kind)
+    for kind, sent in other.collectives.bytes_by_kind.items():
+      by_kind[kind] = by_kind.get(kind, 0.0) + times * sent
+    unknown = max(self.collectives.loops_of_unknown_length, other.collectives.loops_of_unknown_length)
+    return StepFigures({use: size + times * other.memory[use] for use, size in self.memory.items()},
+                       self.flops + times * other.flops, self.bytes_accessed + times * other.bytes_accessed,
+                       Collectives(by_kind, unknown))
+
+
+def step_figures(compiled, setup) -> StepFigures:
+  """The figures of a compiled step (`compile_step(setup)`); a scanned stack's FLOPs and bytes counted once."""
+  stats = compiled.memory_analysis()
+  memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
+            "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
+  flops, bytes_accessed = step_cost(compiled, setup.microbatches)
+  return StepFigures(memory, flops, bytes_accessed, collective_traffic(compiled.as_text(), setup.mesh.devices.size))
+
+
+def measure(setup) -> tuple:
+  """(StepFigures, compile seconds) of the setup's step. Raises DoesNotFit where the compiler refuses it."""
+  start = time.time()
+  compiled = compile_step(setup)
+  return step_figures(compiled, setup), time.time() - start
+
+
+def step_cost(compiled, microbatches: int) -> tuple:
+  """(FLOPs, HBM bytes accessed) per device per step, from the compiler's cost analysis."""
+  cost = compiled.cost_analysis()
+  # The microbatch loop is a lax.scan: its body (nearly all the work) is counted once. Multiplying the
+  # whole step over-counts the optimizer update by (microbatches - 1) times, well under 1%.
+  return cost["flops"] * microbatches, cost["bytes accessed"] * microbatches
+
+
+def unrolled_figures(config, layer_count_fields, figures_of: Callable) -> StepFigures:
+  """The figures of the step with model config `config`, its layers unrolled, without compiling them all.
+
+  `figures_of(config)` compiles the step with another model config. The step is linear in each stack's
+  depth, so a deep model's figures are extrapolated from compiles with one layer per stack and with two
+  in one stack: a few small compiles instead of the full unrolled program (XLA counts a scanned stack's
+  body once). A model of at most two layers per stack is compiled as it is, which costs no more.
+  """
+  depths = {name: getattr(config, name) for name in layer_count_fields}
+  unrolled = dataclasses.replace(config, scan_layers=False)
+  if max(depths.values()) <= 2:
+    return figures_of(unrolled)
+  one_layer = dataclasses.replace(unrolled, **dict.fromkeys(depths, 1))
+  base = figures_of(one_layer)
+  total = base
+  for name, depth in depths.items():
+    total = total.plus(figures_of(dataclasses.replace(one_layer, **{name: 2})), depth - 1).plus(base, 1 - depth)
+  return total
+
+
+def slice_devices(topology: str, num_slices: int) -> list:
+  """The JAX devices of `num_slices` slices of libtpu's `topology`, described, not opened."""
+  from jax.experimental import topologies
+  extra = {"num_slices": num_slices} if num_slices > 1 else {}
+  return topologies.get_topology_desc(topology_name=topology, platform="tpu", **extra).devices
+
+
+def run_setup(arguments: dict, family, mesh, microbatches: Optional[int] = None):
+  """steps.make_setup of the run (train()'s STEP_ARGUMENTS) with this family and mesh; `microbatches`,
+  where given, replaces the run's MICROBATCHES or MICROBATCH_ROWS_PER_GROUP."""
+  from pretrain import steps
+  rows_per_group = None if microbatches else arguments["microbatch_rows_per_group"]
+  return steps.make_setup(family, arguments["task_feature_lengths"], arguments["batch_size"], mesh,
+                          arguments["optimizer"], arguments["schedule"], microbatches or arguments["microbatches"],
+                          rows_per_group)
+
+
+def describe(setup, arguments: dict, topology: str, num_slices: int) -> "Plan":
+  """The Plan of a setup, before any figures: the slice, the run and its layout."""
+  import jax
+
+  from pretrain import steps
+  generation, chips = parse_topology(topology)
+  devices = setup.mesh.devices.size
+  config = setup.family.config
+  return Plan(topology=topology, num_slices=num_slices, devices=devices,
+              device_kind=setup.mesh.devices.flat[0].device_kind, chip=CHIPS[generation],
+              devices_per_chip=devices / (chips * num_slices), family=setup.family.name,
+              parameters=sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
+              batch_size=arguments["batch_size"],
+              mesh={k: v for k, v in setup.mesh.shape.items() if v > 1} or {"data": 1},
+              microbatches=setup.microbatches, remat=config.remat_policy, scan_layers=config.scan_layers,
+              tokens_per_step=steps.tokens_per_batch(arguments["batch_size"], arguments["task_feature_lengths"]))
+
+
+@dataclasses.dataclass
+class Plan:
+  """A layout of a run on a slice and, once compiled, its figures and roofline estimate."""
+  topology: str
+  num_slices: int
+  devices: int
+  device_kind: str
+  chip: Chip
+  devices_per_chip: float
+  family: str
+  parameters: int
+  batch_size: int
+  mesh: dict
+  microbatches: int
+  remat: str
+  scan_layers: bool  # XLA counts a scanned stack's body once: FLOPs and bytes come from unrolled_figures
+  tokens_per_step: int
+  compile_seconds: float = 0.0
+  figures: Optional[StepFigures] = None
+  model_flops: float = 0.0  # whole step, all devices
+
+  @property
+  def peak_flops(self) -> float:
+    return self.chip.peak_bf16_flops / self.devices_per_chip
+
+  @property
+  def hbm_bandwidth(self) -> float:
+    return self.chip.hbm_bandwidth / self.devices_per_chip
+
+  @property
+  def ici_bandwidth(self) -> float:  # the two TensorCores of a v2-v4 chip share its links
+    return self.chip.ici_bandwidth / self.devices_per_chip
+
+  @property
+  def hbm_limit(self) -> float:
+    return self.chip.usable_hbm_bytes / self.devices_per_chip
+
+  @property
+  def headroom(self) -> float:
+    """The fraction of usable HBM the step leaves free (negative: it does not fit)."""
+    return 1 - self.figures.hbm_total / self.hbm_limit
+
+  def step_seconds(self) -> dict:
+    """Roofline lower bounds per step: all FLOPs at peak, all HBM bytes at full bandwidth, all collective
+    bytes at full ICI bandwidth (every link busy; latency ignored)."""
+    return {"compute": self.figures.flops / self.peak_flops, "HBM": self.figures.bytes_accessed / self.hbm_bandwidth,
+            "communication": self.figures.collectives.total / self.ici_bandwidth}
+
+  def overlapped_seconds(self) -> float:
+    """The step's roofline bound with compute, HBM traffic and collectives fully overlapped."""
+    return max(self.step_seconds().values())
+
+  def serial_seconds(self) -> float:
+    """The bound if collectives do not overlap: max(compute, HBM) + communication."""
+    times = self.step_seconds()
+    return max(times["compute"], times["HBM"]) + times["communication"]
+
+  def mfu(self, step_seconds: float) -> float:
+    return self.model_flops / (self.devices * self.peak_flops * step_seconds)

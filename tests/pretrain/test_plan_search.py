@@ -1,0 +1,115 @@
+"""`pretrain.plan --search` on a tiny BERT and a v3-8 (v3:2x2): it ranks fitting layouts by estimated step
+time, compiles what no fitting layout dominates, exits 2 with the change that would fit when nothing does,
+and writes a run file that trains. One search (two compiles) serves most tests; the search's pruning is
+also checked on made-up figures, without compiling."""
+import dataclasses
+import re
+import types
+from unittest import mock
+
+import pytest
+from helpers import host_devices, logged_losses, run_module
+from test_plan import run_plan
+
+from pretrain import plan_search, roofline
+
+MIB = 2 ** 20
+TINY = ("--gin.bert.BertConfig.vocab_size=2048", "--gin.BATCH_SIZE=16")
+
+
+def table_rows(out: str) -> list:
+  """(layout, fits, overlapped seconds, figures) of each row of the ranked table."""
+  rows = re.findall(r"^\d+ \| ([^|]+) \| (yes|no): [\d.]+ of [\d.]+ GiB \(-?\d+%\) \| ([\d.e+-]+) s / [\d.e+-]+ s \| "
+                    r"[\d.]+% \| \d+ s \| (.+)$", out, re.MULTILINE)
+  return [(layout, fits == "yes", float(seconds), figures) for layout, fits, seconds, figures in rows]
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+  """(stdout, run file) of the tiny search, its best layout written to a run file."""
+  run_file = tmp_path_factory.mktemp("search") / "searched.gin"
+  result = run_plan("--search", "--confirm=1", f"--write={run_file}", *TINY)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return result.stdout, run_file
+
+
+def test_fitting_layouts_are_ranked_by_estimated_step_time(searched):
+  out, _ = searched
+  rows = table_rows(out)
+  assert len({layout.rsplit(" ", 1)[0] for layout, *_ in rows}) >= 2, out  # two meshes, each with its scanned twin
+  assert all(fits for _, fits, *_ in rows) and [row[2] for row in rows] == sorted(row[2] for row in rows), out
+  # Stacks of two layers: the small compiles are the full steps. A scanned twin shares its twin's estimate.
+  assert rows[0][3] == "confirmed" and rows[0][0].endswith(" unrolled"), out
+  assert rows[1][0] == rows[0][0].replace(" unrolled", " scan") and rows[1][3] == "estimate (memory as unrolled)", out
+  best = re.search(r"^best: (.+); train with:$", out, re.MULTILINE).group(1)
+  assert best == rows[0][0]
+  # Each compile says what it compiles and how long it took; a layout with more of fsdp, microbatches or
+  # remat than a fitting one is not compiled.
+  assert re.search(r"^\[1\] data=8 mb=1 remat=none unrolled: 2 layer\(s\) \d+ s$", out, re.MULTILINE), out
+  assert re.search(r"102 layouts, 2 compiles in \d+ s; not compiled: 98 dominated", out), out
+
+
+def test_the_written_run_file_trains_with_the_chosen_layout(searched, tmp_path, demo_paths):
+  out, run_file = searched
+  text = run_file.read_text()
+  assert text.startswith("# Layout chosen by `python -m pretrain.plan --search") and "# 1 | " in text, text
+  assert "include 'gin_configs/runs/bert_tiny_demo.gin'" in text and "\nBATCH_SIZE = 16\n" in text
+  flags = re.search(r"^  (--gin\.MESH_SHAPE=.+)$", out, re.MULTILINE).group(1)
+  assert re.search(r"^MESH_SHAPE = (.+)$", text, re.MULTILINE).group(1) in flags
+  result = run_module("pretrain.train", f"--gin_file={run_file}", f"--gin.MODEL_DIR='{tmp_path}'",
+                      "--gin.TRAIN_STEPS=1", "--gin.LOG_EVERY_STEPS=1", "--gin.EVAL_EVERY_STEPS=0",
+                      env=host_devices(8))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert list(logged_losses(tmp_path)) == [1]
+
+
+def test_nothing_fits_exits_2_with_the_slice_that_would_hold_the_state():
+  # 1 MiB of HBM per core: no mesh holds the parameters, gradients and Adam moments.
+  v3 = dataclasses.replace(roofline.CHIPS["v3"], usable_hbm_bytes=2 * MIB)
+  with mock.patch.dict(roofline.CHIPS, {"v3": v3}):
+    result = run_plan("--search", *TINY)
+  assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert re.fullmatch(r"pretrain\.plan: no layout fits: parameters, gradients and optimizer state alone need [\d.]+ "
+                      r"GiB per device on the most sharded mesh \(.+\), more than 0\.00 GiB: a slice of \d+ devices "
+                      r"would hold them", last), last
+  assert "[1]" not in result.stdout, result.stdout  # memory arithmetic alone: no compile
+  assert re.search(r"not compiled: 102 parameters, gradients and optimizer state alone exceed HBM", result.stdout)
+
+
+class MadeUpSearch(plan_search.LayoutSearch):
+  """A search of one model size's meshes (fsdp 1, 2, 4) whose estimates are made up, not compiled: HBM is
+  the mesh's state plus activations that halve with each remat policy and shrink with the microbatches;
+  time grows with each of fsdp, microbatches and remat."""
+  STATE = {1: 50, 2: 30, 4: 15}  # by fsdp
+  ACTIVATIONS = {"none": 80, "dots": 40, "full": 20}  # with one microbatch
+  LIMIT = 100
+
+  def __init__(self):  # none of a real search's run, slice or compiles
+    self.discarded, self.deadline, self.estimated = {}, float("inf"), []
+
+  def valid_microbatches(self, mesh):
+    return [1, 2, 4]
+
+  def hbm_limit(self, mesh):
+    return self.LIMIT
+
+  def estimate(self, layout):
+    self.estimated.append(layout)
+    fsdp = layout.mesh_shape["fsdp"]
+    hbm = self.STATE[fsdp] + self.ACTIVATIONS[layout.remat] / layout.microbatches
+    plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), headroom=1 - hbm / self.LIMIT)
+    return plan_search.Candidate(layout, plan)
+
+
+def test_the_search_compiles_no_layout_that_a_fitting_one_dominates_or_that_cannot_fit():
+  search = MadeUpSearch()
+  meshes = [(("replica", 1), ("data", 4 // fsdp), ("fsdp", fsdp), ("model", 1)) for fsdp in (1, 2, 4)]
+  estimates = search.explore_model_split(meshes, {mesh: search.STATE[dict(mesh)["fsdp"]] for mesh in meshes})
+  tried = {(layout.mesh_shape["fsdp"], layout.microbatches, layout.remat): candidate.fits
+           for layout, candidate in zip(search.estimated, estimates)}
+  # No remat and one microbatch: fsdp 1 is compiled and too big (50 + 80); its activations then rule out
+  # fsdp 2 (30 + 80) before compiling; fsdp 4 fits (15 + 80). Two microbatches fit on fsdp 1 (50 + 40),
+  # and so do dots with one microbatch (50 + 40). Each fitting layout dominates those with at least as much
+  # fsdp, microbatches and remat: nothing else is compiled, no 'full' remat at all.
+  assert tried == {(1, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True, (1, 1, "dots"): True}

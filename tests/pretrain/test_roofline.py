@@ -1,0 +1,48 @@
+"""roofline.unrolled_figures: a deep step's figures from steps of one and two layers per stack, on made-up
+figures linear in each stack's depth (test_plan.py compiles real ones)."""
+import dataclasses
+
+import pytest
+
+from pretrain.collectives import Collectives
+from pretrain.roofline import StepFigures, unrolled_figures
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoStacks:
+  encoder_layers: int
+  decoder_layers: int
+  scan_layers: bool = True
+
+
+def figures_of_depth(config) -> StepFigures:
+  """Every figure is a fixed part plus a part per encoder layer and another per decoder layer."""
+  e, d = config.encoder_layers, config.decoder_layers
+  memory = {"arguments": 10 + e + 2 * d, "outputs": 10 + e + 2 * d, "aliased": 10 + e + 2 * d,
+            "temporaries": 5 + 3 * e + 4 * d}
+  return StepFigures(memory, 100 + 7 * e + 9 * d, 50 + 5 * e + 6 * d, Collectives({"all-reduce": 1 + e + 2 * d}))
+
+
+def test_figures_extrapolate_each_stack_to_its_depth_from_three_small_compiles():
+  compiled = []
+
+  def figures_of(config):
+    assert not config.scan_layers  # costs are an unrolled step's
+    compiled.append((config.encoder_layers, config.decoder_layers))
+    return figures_of_depth(config)
+
+  deep = TwoStacks(12, 6)
+  figures = unrolled_figures(deep, ("encoder_layers", "decoder_layers"), figures_of)
+  assert sorted(compiled) == [(1, 1), (1, 2), (2, 1)]
+  expected = figures_of_depth(deep)
+  assert figures.memory == pytest.approx(expected.memory) and figures.hbm_total == pytest.approx(expected.hbm_total)
+  assert (figures.flops, figures.bytes_accessed) == pytest.approx((expected.flops, expected.bytes_accessed))
+  assert figures.collectives.total == pytest.approx(expected.collectives.total)
+
+
+def test_stacks_of_at_most_two_layers_are_compiled_as_they_are():
+  compiled = []
+  figures = unrolled_figures(TwoStacks(2, 1), ("encoder_layers", "decoder_layers"),
+                             lambda config: compiled.append(config) or figures_of_depth(config))
+  assert compiled == [TwoStacks(2, 1, scan_layers=False)]
+  assert figures == figures_of_depth(TwoStacks(2, 1))

@@ -1,4 +1,4 @@
-"""Build `gcloud compute tpus ...` command lines and run them (or only print them in dry-run mode).
+"""Build `gcloud compute tpus ...` and `gcloud storage ...` command lines, and run them (or print them: dry run).
 
 Builders return argv lists; `Runner` is the only place that executes anything.
 """
@@ -67,6 +67,10 @@ def ssh(target: Slice, command: str, worker: str = "all") -> list[str]:
 def scp_to_workers(target: Slice, local_path: str, remote_path: str) -> list[str]:
   return _tpus("tpu-vm", "scp", target, local_path, f"{target.name}:{remote_path}",
                flags=("--worker=all", "--recurse"))
+
+
+def storage_copy(source: str, destination: str) -> list[str]:
+  return ["gcloud", "storage", "cp", source, destination]
 
 
 class Runner:

@@ -8,11 +8,14 @@
 
   create  creates the slice (`tpu-vm create`, or a queued resource with --queued, waiting until ACTIVE).
   setup   puts the project in ~/pod-pretrain on every host (copies this tree, or clones --repo_url
-          [--branch]) and runs `pip install -e ".[tpu]"` there.
+          [--branch]) and runs `pip install -e ".[tpu]"` there, unless the host has an install for the same
+          setup.py; with --wheel_cache=gs://... from that cache's wheels, filling it on the first setup.
   run     runs `python3 -m pretrain.train --gin_file=... --gin.MODEL_DIR="gs://..." [--gin.KEY=VALUE...]
           [args after --]` on every host; output goes to ~/pod-pretrain.log on each host and is
           followed here. With --restart_on_preemption a preempted or lost slice is deleted, recreated,
-          set up and the run started again, at most --max_restarts times (see "Preemption" below).
+          set up and the run started again, at most --max_restarts times (see "Preemption" below); each
+          restart's detection, delete, create and setup times go to MODEL_DIR/goodput_launcher/ for
+          `python -m pretrain.goodput MODEL_DIR`.
   status  describes the slice; logs prints (or --follow-s) the log of --worker (default 0);
   delete  deletes the slice.
 
@@ -39,17 +42,13 @@ import sys
 import tempfile
 import time
 
-from launch import gcloud
+from launch import gcloud, hosts, run_events
 
 COMMANDS = ("create", "setup", "run", "status", "logs", "delete")
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
-REMOTE_DIR_NAME = "pod-pretrain"
-REMOTE_DIR = f"~/{REMOTE_DIR_NAME}"  # left unquoted in remote commands so the host's shell expands ~
 REMOTE_LOG = "~/pod-pretrain.log"
 # Never ship the local virtualenv, git history or build litter to the hosts.
 LOCAL_TREE_EXCLUDES = (".venv", ".git", "__pycache__", "*.egg-info", ".pytest_cache", "demo_output")
-# `python` may not exist on TPU VM images (Ubuntu ships only python3).
-REMOTE_PYTHON = "python3"
 
 # States in which the slice's hosts are up.
 UP_TPU_VM_STATES = frozenset({"READY"})
@@ -95,6 +94,8 @@ def _parser() -> _OneLineErrorParser:
   p.add_argument("--dry_run", action="store_true")
   p.add_argument("--repo_url", help="setup: git clone this instead of copying the local tree")
   p.add_argument("--branch", help="setup: branch or tag of --repo_url")
+  p.add_argument("--wheel_cache", help="setup, run: gs:// folder of the install's wheels, filled by the first setup "
+                                       "and installed from offline by later ones")
   p.add_argument("--gin_file", action="append", default=[], help="run: repeatable")
   p.add_argument("--gin_bindings", action="append", default=[], help="run: KEY=VALUE, repeatable")
   p.add_argument("--model_dir", help="run: gs:// directory for checkpoints and metrics")
@@ -140,6 +141,8 @@ def _problem_with(args: argparse.Namespace, extra: list[str]) -> str | None:
     return "--branch needs --repo_url"
   if min(args.max_restarts, args.poll_seconds, args.preemption_grace_seconds, args.max_settle_seconds) < 0:
     return "--max_restarts, --poll_seconds, --preemption_grace_seconds and --max_settle_seconds must be >= 0"
+  if args.wheel_cache and not args.wheel_cache.startswith("gs://"):
+    return f"--wheel_cache must be a gs:// URL that every host can read (got {args.wheel_cache!r})"
   if args.command == "run":
     if not (args.model_dir or "").startswith("gs://"):
       return (f"--model_dir must be a gs:// URL so every host reads and writes the same checkpoints "
@@ -208,27 +211,31 @@ def _state(args, runner: gcloud.Runner) -> str | None:
 
 def setup(args, runner: gcloud.Runner) -> None:
   target = _target(args)
-  install = f"cd {REMOTE_DIR} && {REMOTE_PYTHON} -m pip install -e {shlex.quote('.[tpu]')}"
+  install = hosts.install_command(args.wheel_cache)
   if args.repo_url:
     branch = f"--branch={shlex.quote(args.branch)} " if args.branch else ""
-    clone = f"rm -rf {REMOTE_DIR} && git clone --depth=1 {branch}{shlex.quote(args.repo_url)} {REMOTE_DIR}"
+    clone = (f"rm -rf {hosts.REMOTE_DIR} && git clone --depth=1 {branch}{shlex.quote(args.repo_url)} "
+             f"{hosts.REMOTE_DIR}")
     _must(runner, gcloud.ssh(target, f"{clone} && {install}"), "cloning the project on the hosts")
-    return
-  with tempfile.TemporaryDirectory() as staging:
-    tree = pathlib.Path(staging) / REMOTE_DIR_NAME
-    shutil.copytree(PROJECT_ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(*LOCAL_TREE_EXCLUDES))
-    _must(runner, gcloud.scp_to_workers(target, str(tree), "~/"), "copying the project to the hosts")
-  _must(runner, gcloud.ssh(target, install), "installing the project on the hosts")
+  else:
+    with tempfile.TemporaryDirectory() as staging:
+      tree = pathlib.Path(staging) / hosts.REMOTE_DIR_NAME
+      shutil.copytree(PROJECT_ROOT, tree, symlinks=True, ignore=shutil.ignore_patterns(*LOCAL_TREE_EXCLUDES))
+      _must(runner, gcloud.scp_to_workers(target, str(tree), "~/"), "copying the project to the hosts")
+    _must(runner, gcloud.ssh(target, install), "installing the project on the hosts")
+  if args.wheel_cache:
+    _must(runner, gcloud.ssh(target, hosts.fill_wheel_cache_command(args.wheel_cache), worker="0"),
+          f"filling the wheel cache {args.wheel_cache}")
 
 
 def train_command(args, extra: list[str]) -> str:
   """The shell command each host runs for `run`."""
-  train = [REMOTE_PYTHON, "-m", "pretrain.train"]
+  train = [hosts.REMOTE_PYTHON, "-m", "pretrain.train"]
   train += [f"--gin_file={f}" for f in args.gin_file]
   train += [f'--gin.MODEL_DIR="{args.model_dir}"'] + [f"--gin.{b}" for b in args.gin_bindings] + extra
   # nohup keeps training alive if the ssh session drops; tail follows the log until training exits
   # and `wait` hands its exit code back through ssh, so we know when and how the run ended.
-  return (f"cd {REMOTE_DIR} || exit 1; : > {REMOTE_LOG}; "
+  return (f"cd {hosts.REMOTE_DIR} || exit 1; : > {REMOTE_LOG}; "
           f"nohup {shlex.join(train)} >> {REMOTE_LOG} 2>&1 < /dev/null & pid=$!; "
           f"tail -n +1 -f --pid=$pid {REMOTE_LOG}; wait $pid")
 
@@ -271,7 +278,15 @@ def _state_after_run(args, code: int, runner: gcloud.Runner) -> str | None:
 
 
 def run(args, extra: list[str], runner: gcloud.Runner) -> int:
-  command = gcloud.ssh(_target(args), train_command(args, extra))
+  events = run_events.RunEvents(args.model_dir, runner)
+  try:
+    return _run_until_done(args, gcloud.ssh(_target(args), train_command(args, extra)), events, runner)
+  finally:  # a launcher that stops in a restart leaves that restart's records too
+    events.write()
+
+
+def _run_until_done(args, command: list[str], events: run_events.RunEvents, runner: gcloud.Runner) -> int:
+  """Runs `command`, and with --restart_on_preemption recreates a preempted slice and runs it again."""
   restarts = 0
   while True:
     code = runner.run(command)
@@ -287,16 +302,22 @@ def run(args, extra: list[str], runner: gcloud.Runner) -> int:
     if state == STOPPED_STATE:
       raise LaunchError(f"slice {args.name} was stopped, not preempted; not restarting: start it "
                         "(gcloud compute tpus tpu-vm start) and run again to resume")
+    events.record(run_events.PREEMPTION_DETECTED, state=state or "gone", exit_code=code)
     what = f"preempted ({state})" if state else "is gone"
     if restarts == args.max_restarts:
       raise LaunchError(f"slice {args.name} {what}; giving up after {restarts} restarts (--max_restarts)")
     restarts += 1
     print(f"slice {args.name} {what}, recreating (restart {restarts}/{args.max_restarts})", flush=True)
     if state is not None:
-      delete(args, runner)
-    create(args, runner)
-    setup(args, runner)
+      with events.timed(run_events.DELETE):
+        delete(args, runner)
+    with events.timed(run_events.CREATE):
+      create(args, runner)
+    with events.timed(run_events.SETUP):
+      setup(args, runner)
     print(f"slice {args.name} recreated; running again, training resumes from {args.model_dir}", flush=True)
+    events.record(run_events.TRAIN_COMMAND)
+    events.write()
 
 
 def status(args, runner: gcloud.Runner) -> int:

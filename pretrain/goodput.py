@@ -2,9 +2,10 @@
 
   python -m pretrain.goodput MODEL_DIR [--png=PATH]
 
-Every start's process 0 appends its records (`pretrain.goodput_events` says which). The report gives the wall
-time, from the first start's process start to the last record, the share of it spent on steps that count
-(goodput), and each loss by kind; together they add up to the wall time. With --png, a timeline: one row per
+Every start's process 0 appends its records (`pretrain.goodput_events` says which); `launch.tpu run
+--restart_on_preemption` writes its own of each restart in MODEL_DIR/goodput_launcher/ (`launch.run_events`). The
+report gives the wall time, from the first start's process start to the last record, the share of it spent on steps
+that count (goodput), and each loss by kind; together they add up to the wall time. With --png, a timeline: one row per
 start, a coloured segment per kind (the extra `pip install -e '.[goodput]'` brings matplotlib).
 
 Each start, from its process start to its last record, is split as follows:
@@ -19,7 +20,17 @@ Each start, from its process start to its last record, is split as follows:
   between starts       one start's last record to the next start's process start. A start that died without an
                        `end` record (killed, a lost host) counts its time after its last record here. A start whose
                        process began before the previous start's last record (train() called again in one
-                       process, as tests and notebooks do) begins at that record.
+                       process, as tests and notebooks do) begins at that record. Where the launcher restarted the
+                       slice, this time is split by its records:
+    detection          from the last record before it to the launcher's decision that the slice was preempted
+                       (the run's end reaching the launcher, its second look at a READY slice, the state settling);
+    recreate           deleting the slice and creating it until READY;
+    setup              copying the code and installing it on every host;
+    other              the rest: the training command's ssh until the process starts, a killed start's time after
+                       its last record, restarts the launcher did not make.
+                       The launcher's records are clipped to the gap and to each other, so the parts add up to it
+                       exactly, even where the launcher's clock and the hosts' disagree (by that much, a part's
+                       time moves to its neighbour).
 
 Why not Google's ml-goodput-measurement: it records to and computes from Cloud Logging, so it needs a GCP project
 and network access while training; runs here also train on local disks with no network, and MODEL_DIR is the one
@@ -30,10 +41,11 @@ import dataclasses
 import datetime
 import json
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from etils import epath
 
+from launch import run_events
 from pretrain import cli
 from pretrain.errors import ConfigError
 
@@ -45,17 +57,26 @@ LOSSES = ("start-up", "restore/init", "compile", "saves", "evals", "input waits"
 TIMED_KINDS = {
     "init": "restore/init", "restore": "restore/init", "compile": "compile", "save": "saves", "eval": "evals"
 }  # record kind -> report kind
+# "between starts" split by the launcher's records; "other" is what they do not cover.
+DOWNTIME = ("detection", "recreate", "setup", "other")
+LAUNCHER_TIMED_KINDS = {run_events.DELETE: "recreate", run_events.CREATE: "recreate", run_events.SETUP: "setup"}
+DOWNTIME_NOTES = {
+    "detection": "the last record to the launcher's decision", "recreate": "delete and create the slice",
+    "setup": "copy and install the code", "other": "the rest"
+}
 COLOURS = {
     GOODPUT: "tab:green", "start-up": "tab:gray", "restore/init": "tab:blue", "compile": "tab:purple",
     "saves": "tab:red", "evals": "tab:cyan", "input waits": "gold", "recomputed steps": "tab:orange",
-    "skipped updates": "tab:brown", "between starts": "whitesmoke"
+    "skipped updates": "tab:brown", "between starts": "whitesmoke", "detection": "pink", "recreate": "lightsalmon",
+    "setup": "wheat"
 }
 
 
 @dataclasses.dataclass
 class Start:
   """One start of the run: its span (`began` to `ended`, its last record), how it ended, the steps it ran and
-  the seconds of each kind (LOSSES' and GOODPUT), which sum to its span."""
+  the seconds of each kind (LOSSES' and GOODPUT), which sum to its span; `downtime_segments`: (part, began, ended)
+  of DOWNTIME's parts the launcher recorded between the previous start and this one, none for the first."""
   id: str
   began: float
   ended: float
@@ -66,17 +87,28 @@ class Start:
   skipped_updates: int
   seconds: Dict[str, float]
   records: List[dict]
+  downtime_segments: List[Tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
   @property
   def goodput_share(self) -> float:
     return self.seconds[GOODPUT] / max(self.ended - self.began, 1e-9)
 
+  def downtime(self, previous_end: float) -> Dict[str, float]:
+    """The time from `previous_end` (the previous start's last record) to this start, by DOWNTIME's parts."""
+    seconds = dict.fromkeys(DOWNTIME, 0.0)
+    for part, began, ended in self.downtime_segments:
+      seconds[part] += ended - began
+    seconds["other"] = self.began - previous_end - sum(seconds.values())
+    return seconds
+
 
 @dataclasses.dataclass
 class Account:
-  """The run's starts in order; `seconds`: each kind's total over them, between starts included."""
+  """The run's starts in order; `seconds`: each kind's total over them, between starts included, and `downtime`:
+  between starts by DOWNTIME's parts."""
   starts: List[Start]
   seconds: Dict[str, float]
+  downtime: Dict[str, float]
 
   @property
   def wall_seconds(self) -> float:
@@ -96,6 +128,17 @@ def read_records(model_dir: str) -> List[dict]:
   if not path.exists():
     raise FileNotFoundError(f"{model_dir} has no {FILE_NAME}: no run has started there, or none since goodput "
                             "was recorded")
+  return _json_lines(path)
+
+
+def read_launcher_records(model_dir: str) -> List[dict]:
+  """The records `launch.tpu run` wrote in MODEL_DIR/goodput_launcher/, all its launches'; none if it wrote none."""
+  paths = sorted((epath.Path(model_dir) / run_events.RECORDS_DIR).glob("*.jsonl"))
+  return [record for path in paths for record in _json_lines(path)]
+
+
+def _json_lines(path: epath.Path) -> List[dict]:
+  """A line cut short (a process killed while appending) is skipped."""
   records = []
   for line in path.read_text().splitlines():
     try:
@@ -105,24 +148,48 @@ def read_records(model_dir: str) -> List[dict]:
   return records
 
 
-def account(records: Sequence[dict]) -> Account:
-  """Splits the run's wall time by kind (see the module's docstring); `records` as read, starts in order."""
+def account(records: Sequence[dict], launcher_records: Sequence[dict] = ()) -> Account:
+  """Splits the run's wall time by kind (see the module's docstring); `records` as read, starts in order;
+  `launcher_records` (any order) split the time between starts."""
   by_start: Dict[str, List[dict]] = {}
   for record in records:
     by_start.setdefault(record["start"], []).append(record)
   if not by_start:
     raise ConfigError(f"{FILE_NAME} holds no records")
+  launcher_records = sorted(launcher_records, key=lambda r: r["time"])
   starts, furthest_step, previous_end = [], 0, None
   totals = dict.fromkeys((GOODPUT, *LOSSES), 0.0)
+  downtime = dict.fromkeys(DOWNTIME, 0.0)
   for start_id, start_records in by_start.items():
     start = _account_start(start_id, start_records, furthest_step, previous_end)
     if previous_end is not None:
       totals["between starts"] += start.began - previous_end
+      start.downtime_segments = _downtime_segments(previous_end, start.began, launcher_records)
+      for part, seconds in start.downtime(previous_end).items():
+        downtime[part] += seconds
     for kind, seconds in start.seconds.items():
       totals[kind] += seconds
     starts.append(start)
     furthest_step, previous_end = max(furthest_step, start.reached), start.ended
-  return Account(starts, totals)
+  return Account(starts, totals, downtime)
+
+
+def _downtime_segments(begin: float, end: float, launcher_records: List[dict]) -> List[Tuple[str, float, float]]:
+  """(part, began, ended) of the launcher's records (in time order) within `begin` to `end`, clipped to it and to
+  each other: a detection covers the time since the previous segment (or `begin`), a timed record its seconds."""
+  segments, cursor = [], begin
+  for record in launcher_records:
+    kind = record["kind"]
+    part = "detection" if kind == run_events.PREEMPTION_DETECTED else LAUNCHER_TIMED_KINDS.get(kind)
+    record_began = record["time"] - record.get("seconds", 0.0)
+    if part is None or record["time"] <= begin or record_began >= end:  # not in this gap
+      continue
+    began = cursor if part == "detection" else max(record_began, cursor)
+    ended = min(record["time"], end)
+    if ended > began:
+      segments.append((part, began, ended))
+      cursor = ended
+  return segments
 
 
 def _account_start(start_id: str, records: List[dict], furthest_step: int, previous_end: Optional[float]) -> Start:
@@ -171,6 +238,11 @@ def report(model_dir: str, run: Account) -> str:
   for kind in LOSSES:
     lines.append(f"  {kind:<18}{_seconds(run.seconds[kind]):>12}  {_share(run.seconds[kind], wall)}  "
                  f"{notes.get(kind, '')}".rstrip())
+  if any(start.downtime_segments for start in run.starts):  # the launcher restarted the slice
+    lines += [
+        f"    {part:<16}{_seconds(run.downtime[part]):>12}  {_share(run.downtime[part], wall)}  {DOWNTIME_NOTES[part]}"
+        for part in DOWNTIME
+    ]
   lines.append(f"  {'total':<18}{_seconds(sum(run.seconds.values())):>12}  "
                f"{_share(sum(run.seconds.values()), wall)}")
   lines.append("  start  began (UTC)          steps          goodput  ended")
@@ -213,7 +285,7 @@ def plot(run: Account, path: str) -> None:
   axes.invert_yaxis()
   axes.set_xlabel(f"{'hours' if hours else 'seconds'} since the first start")
   axes.set_title(f"goodput {run.goodput_share:.1%} of {_seconds(run.wall_seconds)}")
-  used = [k for k in (GOODPUT, *LOSSES) if run.seconds[k] > 0]
+  used = [k for k in (GOODPUT, *LOSSES) if run.seconds[k] > 0] + [k for k in DOWNTIME[:-1] if run.downtime[k] > 0]
   axes.legend(handles=[Patch(color=COLOURS[k], label=k) for k in used], loc="upper center",
               bbox_to_anchor=(0.5, -0.35 if len(run.starts) < 3 else -0.2), ncol=5, fontsize="small", frameon=False)
   figure.savefig(path, bbox_inches="tight")
@@ -227,6 +299,7 @@ def _segments(start: Start, previous_end: Optional[float]):
   span = start.ended - ready
   if previous_end is not None and start.began > previous_end:
     yield "between starts", previous_end, start.began
+    yield from start.downtime_segments
   yield "start-up", start.began, ready
   cursor = ready
   for kind in ("recomputed steps", "skipped updates", GOODPUT):
@@ -246,7 +319,7 @@ def main(argv: Sequence[str]) -> None:
   parser.add_argument("model_dir", help="the run's MODEL_DIR (local path or gs://)")
   parser.add_argument("--png", help="write the timeline here")
   args = parser.parse_args(argv)
-  run = account(read_records(args.model_dir))
+  run = account(read_records(args.model_dir), read_launcher_records(args.model_dir))
   print(report(args.model_dir, run))
   if args.png:
     plot(run, args.png)

@@ -1,4 +1,5 @@
-"""launch.tpu against a recording stand-in `gcloud`: exact command lines, the preemption restart loop, errors."""
+"""launch.tpu against a recording stand-in `gcloud` and a simulated host: exact command lines, what the hosts run
+to install, the preemption restart loop and its goodput records, errors."""
 import json
 import os
 import pathlib
@@ -8,10 +9,13 @@ import sys
 import pytest
 
 from helpers import run_module
+from launch import hosts, run_events
+from pretrain import goodput
 
 SLICE = ["--name=pod", "--zone=europe-west4-a"]
 ZONE = "--zone=europe-west4-a"
-INSTALL = "cd ~/pod-pretrain && python3 -m pip install -e '.[tpu]'"
+INSTALL = hosts.install_command(None)
+WHEEL_CACHE = "gs://bucket/wheels"
 TRAIN = ("cd ~/pod-pretrain || exit 1; : > ~/pod-pretrain.log; "
          "nohup python3 -m pretrain.train --gin_file=gin_configs/runs/a.gin --gin_file=b.gin "
          "'--gin.MODEL_DIR=\"gs://bucket/run1\"' --gin.TRAIN_STEPS=100 --seed=3 "
@@ -22,18 +26,34 @@ RUN_FLAGS = ["--gin_file=gin_configs/runs/a.gin", "--gin_file=b.gin", "--model_d
 # Restarting without the second look at a READY slice, for tests about what comes before or after it.
 RESTART_AT_ONCE = ["--accelerator_type=v3-512", "--restart_on_preemption", "--preemption_grace_seconds=0"]
 
-# Logs each call as a JSON line. Calls with --format (state checks) print the next line of the states
-# file (the last line repeats; "!REASON" fails with "ERROR: REASON" on stderr, as gcloud does). The Nth ssh
-# running pretrain.train exits with the Nth code in $FAKE_TRAIN_RCS (the last repeats). An scp records what
-# the staged source directory holds.
+# Logs each call as a JSON line (in $FAKE_HOST_LOG when a host calls it). Calls with --format (state checks) print
+# the next line of the states file (the last line repeats; "!REASON" fails with "ERROR: REASON" on stderr, as gcloud
+# does). `storage cp` copies between local paths and gs://BUCKET/PATH, kept as $FAKE_GCS/BUCKET/PATH. The slice is
+# one simulated host, a home directory that create and delete empty: scp copies there, and ssh runs the command
+# there with bash, with the fake python3 and git of HOST_TOOL. The Nth ssh running pretrain.train appends a start's
+# goodput records to its MODEL_DIR and exits with the Nth code in $FAKE_TRAIN_RCS (the last repeats); one reading
+# the log does nothing. An scp records what the staged source directory holds.
 STAND_IN = """#!{python}
-import json, os, sys
+import glob, json, os, re, shutil, subprocess, sys, time, uuid
 argv = sys.argv[1:]
+home = os.environ["FAKE_HOST_HOME"]
+local = lambda path: os.path.join(os.environ["FAKE_GCS"], path[len("gs://"):]) if path.startswith("gs://") else path
 entry = {{"argv": argv}}
-if argv[3] == "scp":
+if argv[:2] != ["storage", "cp"] and argv[3] == "scp":
   entry["staged"] = sorted(os.listdir(argv[4]))
-with open(os.environ["FAKE_GCLOUD_LOG"], "a") as log:
+with open(os.environ["FAKE_HOST_LOG" if "FAKE_ON_HOST" in os.environ else "FAKE_GCLOUD_LOG"], "a") as log:
   log.write(json.dumps(entry) + "\\n")
+if argv[:2] == ["storage", "cp"]:
+  *sources, destination = [a for a in argv[2:] if not a.startswith("--")]
+  sources = [p for source in sources for p in glob.glob(local(source))]
+  if not sources:
+    sys.exit("ERROR: (gcloud.storage.cp) The following URLs matched no objects or files")
+  for source in sources:
+    target = local(destination) + (os.path.basename(source) if destination.endswith("/") else "")
+    if not ("--no-clobber" in argv and os.path.exists(target)):
+      os.makedirs(os.path.dirname(target), exist_ok=True)
+      shutil.copy(source, target)
+  sys.exit(0)
 if any(a.startswith("--format=") for a in argv):
   path = os.environ["FAKE_GCLOUD_STATES"]
   states = open(path).read().split()
@@ -42,25 +62,68 @@ if any(a.startswith("--format=") for a in argv):
   if states[0].startswith("!"):
     sys.exit("ERROR: (gcloud.compute.tpus) " + states[0][1:])
   print(states[0])
-if argv[3] == "ssh" and "pretrain.train" in argv[-1]:
+elif argv[3] in ("create", "delete"):
+  shutil.rmtree(home)
+  os.mkdir(home)
+elif argv[3] == "scp":
+  shutil.copytree(argv[4], os.path.join(home, os.path.basename(argv[4])), dirs_exist_ok=True)
+elif argv[3] == "ssh" and "pretrain.train" in argv[-1]:
+  start = uuid.uuid4().hex
+  with open(os.path.join(local(re.search('MODEL_DIR="([^"]+)"', argv[-1])[1]), "goodput.jsonl"), "a") as records:
+    for kind in ("start", "end"):
+      record = {{"start": start, "kind": kind, "time": time.time(), "how": "preempted", "step": 0}}
+      records.write(json.dumps(record) + "\\n")
   codes = os.environ["FAKE_TRAIN_RCS"].split()
   runs = sum("pretrain.train" in line for line in open(os.environ["FAKE_GCLOUD_LOG"]))
   sys.exit(int(codes[min(runs, len(codes)) - 1]))
+elif argv[3] == "ssh" and "pod-pretrain.log" not in argv[-1]:
+  host_path = os.environ["FAKE_HOST_BIN"] + os.pathsep + os.environ["PATH"]
+  env = dict(os.environ, HOME=home, PATH=host_path, FAKE_ON_HOST="1")
+  sys.exit(subprocess.run(["bash", "-c", argv[-1][len("--command="):]], env=env).returncode)
 """
+# The host's python3 (only `-m pip`) and git (only `clone`), logging to $FAKE_HOST_LOG. `pip wheel` builds two wheels
+# into --wheel-dir; `pip install --no-index` fails unless --find-links holds a wheel.
+HOST_TOOL = """#!{python}
+import glob, json, os, sys
+argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
+with open(os.environ["FAKE_HOST_LOG"], "a") as log:
+  log.write(json.dumps({{"argv": argv}}) + "\\n")
+flags = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+if argv[0] == "git":
+  os.makedirs(os.path.expanduser(argv[-1]))
+  open(os.path.join(os.path.expanduser(argv[-1]), "setup.py"), "w").write("cloned")
+elif argv[1:4] == ["-m", "pip", "wheel"]:
+  for name in ("dep-1.0-py3-none-any.whl", "pod_pretrain-0.1.0-py3-none-any.whl"):
+    open(os.path.join(flags["--wheel-dir"], name), "w").close()
+elif "--no-index" in argv and not glob.glob(os.path.join(flags["--find-links"], "*.whl")):
+  sys.exit("ERROR: No matching distribution found for dep")
+"""
+
+
+def _script(path: pathlib.Path, text: str) -> None:
+  path.write_text(text.format(python=sys.executable))
+  path.chmod(0o755)
 
 
 class FakeGcloud:
 
   def __init__(self, tmp_path: pathlib.Path):
-    bin_dir = tmp_path / "bin"
+    bin_dir, host_bin = tmp_path / "bin", tmp_path / "host_bin"
     bin_dir.mkdir()
-    script = bin_dir / "gcloud"
-    script.write_text(STAND_IN.format(python=sys.executable))
-    script.chmod(0o755)
-    self.log = tmp_path / "calls.jsonl"
+    host_bin.mkdir()
+    _script(bin_dir / "gcloud", STAND_IN)
+    for tool in ("python3", "git"):
+      _script(host_bin / tool, HOST_TOOL)
+    self.log, self.host_log = tmp_path / "calls.jsonl", tmp_path / "host_calls.jsonl"
     self.states = tmp_path / "states"
+    self.bucket = tmp_path / "gcs" / "bucket"
+    (self.bucket / "run1").mkdir(parents=True)
+    self.host_home = tmp_path / "host"
+    self.host_home.mkdir()
     self.env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_GCLOUD_LOG": str(self.log),
-                "FAKE_GCLOUD_STATES": str(self.states)}
+                "FAKE_GCLOUD_STATES": str(self.states), "FAKE_GCS": str(tmp_path / "gcs"),
+                "FAKE_HOST_HOME": str(self.host_home), "FAKE_HOST_BIN": str(host_bin),
+                "FAKE_HOST_LOG": str(self.host_log)}
 
   def launch(self, *args, states=("READY",), train_rc=0, path=None):
     """train_rc: the exit code of every run, or a tuple of each run's in turn."""
@@ -70,11 +133,18 @@ class FakeGcloud:
       env["PATH"] = path
     return run_module("launch.tpu", *args, env=env, timeout=60)
 
-  def entries(self):
-    return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+  def entries(self, log=None):
+    log = log or self.log
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
   def calls(self):
     return [e["argv"] for e in self.entries()]
+
+  def host_calls(self):
+    """What the host ran since the last call, each as one line; then forgets them."""
+    calls = [" ".join(e["argv"]) for e in self.entries(self.host_log)]
+    self.host_log.unlink(missing_ok=True)
+    return calls
 
 
 @pytest.fixture
@@ -84,6 +154,10 @@ def gcloud(tmp_path):
 
 def tpus(*words):
   return ["compute", "tpus", *words]
+
+
+def verb(call):
+  return " ".join(call[:2]) if call[0] == "storage" else f"{call[2]} {call[3]}"
 
 
 @pytest.mark.parametrize("flags, expected_tail", [
@@ -122,6 +196,33 @@ def test_setup_copies_local_tree_and_installs(gcloud):
   assert {"launch", "setup.py"} <= set(scp["staged"])
   assert not {".venv", ".git"} & set(scp["staged"])
   assert install["argv"] == tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={INSTALL}")
+  assert gcloud.host_calls() == ["python3 -m pip install -e .[tpu]"]
+  # The same setup.py on the same host: nothing to install.
+  done = gcloud.launch("setup", *SLICE)
+  assert done.returncode == 0, done.stderr
+  assert gcloud.host_calls() == []
+  assert "pod-pretrain: already installed for this setup.py" in done.stdout
+  (gcloud.host_home / "pod-pretrain" / "setup.py").write_text("changed")  # as a changed tree's copy would be
+  done = gcloud.launch("setup", *SLICE, "--repo_url=https://example.com/pod-pretrain.git")
+  assert done.returncode == 0, done.stderr
+  assert gcloud.host_calls()[-1] == "python3 -m pip install -e .[tpu]"
+
+
+def test_setup_with_a_wheel_cache_fills_it_once_and_installs_offline_from_it(gcloud):
+  done = gcloud.launch("setup", *SLICE, f"--wheel_cache={WHEEL_CACHE}")
+  assert done.returncode == 0, done.stderr
+  offline = "python3 -m pip install --no-index --find-links=HOME/.pod-pretrain-wheels -e .[tpu]"
+  cache_get = f"storage cp {WHEEL_CACHE}/*.whl HOME/.pod-pretrain-wheels/"
+  home = str(gcloud.host_home)
+  assert [c.replace(home, "HOME") for c in gcloud.host_calls()] == [
+      cache_get, offline,  # the cache is empty: the offline install fails
+      "python3 -m pip wheel --wheel-dir=HOME/.pod-pretrain-wheels --find-links=HOME/.pod-pretrain-wheels setuptools "
+      "wheel .[tpu]", offline,
+      f"storage cp --no-clobber HOME/.pod-pretrain-wheels/dep-1.0-py3-none-any.whl {WHEEL_CACHE}/"]  # worker 0
+  assert "pod-pretrain: building the wheels the cache lacks" in done.stdout
+  assert os.listdir(gcloud.bucket / "wheels") == ["dep-1.0-py3-none-any.whl"]  # not the project's own wheel
+  assert gcloud.calls()[-1] == tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=0",
+                                    f"--command={hosts.fill_wheel_cache_command(WHEEL_CACHE)}")
 
 
 def test_setup_clones_repo_url(gcloud):
@@ -149,7 +250,9 @@ def test_run_recreates_preempted_slice_and_runs_again(gcloud):
                        tpus("tpu-vm", "create", "pod", ZONE, "--accelerator-type=v3-512",
                             "--version=tpu-ubuntu2204-base", "--spot")]
   assert calls[4][3] == "scp"
-  assert calls[5:] == [tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={INSTALL}"), run, describe]
+  assert calls[5] == tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={INSTALL}")
+  assert calls[6][:3] == ["storage", "cp", calls[6][2]] and calls[6][3].startswith("gs://bucket/run1/goodput_launcher/")
+  assert calls[7:] == [run, describe]
   assert "slice pod preempted (PREEMPTED), recreating (restart 1/3)" in done.stdout
 
 
@@ -157,9 +260,9 @@ def test_run_recreates_vanished_queued_slice_without_deleting(gcloud):
   done = gcloud.launch("run", *SLICE, *RUN_FLAGS, *RESTART_AT_ONCE, "--queued", "--poll_seconds=0", "--", "--seed=3",
                        states=("!NOT_FOUND", "ACTIVE"))
   assert done.returncode == 0, done.stderr
-  verbs = [c[2] + " " + c[3] for c in gcloud.calls()]
+  verbs = [verb(c) for c in gcloud.calls()]
   assert verbs == ["tpu-vm ssh", "queued-resources describe", "queued-resources create",
-                   "queued-resources describe", "tpu-vm scp", "tpu-vm ssh", "tpu-vm ssh",
+                   "queued-resources describe", "tpu-vm scp", "tpu-vm ssh", "storage cp", "tpu-vm ssh",
                    "queued-resources describe"]
   assert "slice pod is gone, recreating (restart 1/10)" in done.stdout
 
@@ -290,9 +393,49 @@ def test_dry_run_prints_commands_without_gcloud(gcloud, tmp_path):
      "launch.tpu: error: the following arguments are required: --name"),
     (["create", *SLICE, "--dry_run"],
      "launch.tpu: error: --accelerator_type is required to create the slice (create)"),
+    (["setup", *SLICE, "--wheel_cache=/tmp/wheels", "--dry_run"],
+     "launch.tpu: error: --wheel_cache must be a gs:// URL that every host can read (got '/tmp/wheels')"),
 ])
 def test_bad_input_is_one_line_error(gcloud, tmp_path, args, message):
   done = gcloud.launch(*args, path=str(tmp_path))  # no gcloud on this PATH
   assert done.returncode == 2
   assert done.stderr.splitlines() == [message]
   assert done.stdout == ""
+
+
+def test_a_restart_records_its_downtime_and_sets_up_from_the_wheel_cache(gcloud):
+  assert gcloud.launch("setup", *SLICE, f"--wheel_cache={WHEEL_CACHE}").returncode == 0  # fills the cache
+  gcloud.host_calls()
+  done = gcloud.launch("run", *SLICE, *RUN_FLAGS, *RESTART_AT_ONCE, f"--wheel_cache={WHEEL_CACHE}",
+                       states=("PREEMPTED", "READY"))
+  assert done.returncode == 0, done.stderr
+  # The recreated host is fresh: it installs, offline from the cache, and builds nothing.
+  home = str(gcloud.host_home)
+  assert [c.replace(home, "HOME") for c in gcloud.host_calls()] == [
+      f"storage cp {WHEEL_CACHE}/*.whl HOME/.pod-pretrain-wheels/",
+      "python3 -m pip install --no-index --find-links=HOME/.pod-pretrain-wheels -e .[tpu]"]
+
+  (records_object,) = (gcloud.bucket / "run1" / run_events.RECORDS_DIR).iterdir()
+  write = gcloud.calls()[-3]
+  assert write == ["storage", "cp", write[2], f"gs://bucket/run1/{run_events.RECORDS_DIR}/{records_object.name}"]
+  launcher_records = goodput.read_launcher_records(str(gcloud.bucket / "run1"))
+  assert [(r["kind"], r.get("state")) for r in launcher_records] == [
+      ("preemption_detected", "PREEMPTED"), ("delete", None), ("create", None), ("setup", None),
+      ("train_command", None)]
+  run = goodput.account(goodput.read_records(str(gcloud.bucket / "run1")), launcher_records)
+  first, second = run.starts
+  downtime = second.downtime(first.ended)
+  assert all(downtime[part] > 0 for part in goodput.DOWNTIME), downtime
+  assert sum(downtime.values()) == pytest.approx(run.seconds["between starts"], rel=1e-9)
+  assert run.downtime == downtime
+  assert "    setup " in goodput.report("gs://bucket/run1", run)
+
+
+def test_dry_run_shows_the_setup_commands_with_a_wheel_cache(gcloud, tmp_path):
+  done = gcloud.launch("setup", *SLICE, f"--wheel_cache={WHEEL_CACHE}", "--dry_run", path=str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  lines = done.stdout.splitlines()
+  assert [line.split()[:6] for line in lines] == [["+", "gcloud", "compute", "tpus", "tpu-vm", verb]
+                                                  for verb in ("scp", "ssh", "ssh")]
+  assert "pip install --no-index --find-links=$HOME/.pod-pretrain-wheels" in lines[1]
+  assert "--worker=0" in lines[2] and "gcloud storage cp --no-clobber" in lines[2]

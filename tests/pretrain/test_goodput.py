@@ -20,6 +20,11 @@ def window(at, step, steps, seconds=None, input_seconds=0.0, skipped=0):
   })
 
 
+def launcher(kind, time, **fields):
+  """A record of launch.tpu's."""
+  return {"launch": "L", "kind": kind, "time": time, **fields}
+
+
 def assert_adds_up(run):
   assert sum(run.seconds.values()) == pytest.approx(run.wall_seconds, rel=1e-9)
   for start in run.starts:
@@ -90,10 +95,13 @@ def test_the_report_prints_each_kind_and_start_and_plots_the_timeline(tmp_path, 
   records += records_of("b", 20.0, ("end", 1, {"how": "stopped", "error": "X", "step": 0}))
   lines = [json.dumps(r) for r in records]
   (tmp_path / goodput.FILE_NAME).write_text("\n".join(lines) + '\n{"start": "c", "ki')  # the last line cut short
+  (tmp_path / "goodput_launcher").mkdir()
+  (tmp_path / "goodput_launcher" / "L.jsonl").write_text(
+      json.dumps(launcher("preemption_detected", 15.0)) + "\n" + json.dumps(launcher("create", 18.0, seconds=2.0)))
   goodput.main([str(tmp_path), f"--png={tmp_path / 'timeline.png'}"])
   out = capsys.readouterr().out
   assert f"{tmp_path}: 2 start(s), 21.0 s from the first start to the last record" in out
-  for kind in ("goodput", *goodput.LOSSES, "total"):
+  for kind in ("goodput", *goodput.LOSSES, *goodput.DOWNTIME, "total"):
     assert f"  {kind} " in out
   assert "preempted" in out and "stopped (X)" in out
   assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
@@ -137,3 +145,38 @@ def test_records_append_in_a_bucket_and_read_back(gcs_bucket):
     events.record("end", how="finished", step=0)
   assert [r["kind"] for r in goodput.read_records(model_dir)] == ["start", "init", "end"]
   assert events.goodput_shares() == (0.0, 0.0)
+
+
+def test_the_launchers_records_split_the_time_between_starts_exactly_clipped_to_each_gap():
+  finished = {"how": "finished", "step": 0}
+  first = records_of("a", 0.0, ("end", 10, {"how": "preempted", "step": 0}))
+  second = records_of("b", 500.0, ("end", 10, {"how": "preempted", "step": 0}))
+  third = records_of("c", 1000.0, ("end", 10, finished))
+  launcher_records = [
+      launcher("train_command", -5.0),  # before the first start: outside the run's wall time
+      launcher("preemption_detected", 100.0, state="PREEMPTED"),  # 90 s after start 1's last record
+      launcher("delete", 160.0, seconds=60.0), launcher("create", 400.0, seconds=240.0),
+      launcher("setup", 480.0, seconds=80.0), launcher("train_command", 481.0),
+      # The second restart: no delete (the slice was gone); setup's end reads later than start 3's process start
+      # (the launcher's clock ahead): clipped to it.
+      launcher("preemption_detected", 600.0, state="gone"), launcher("create", 900.0, seconds=300.0),
+      launcher("setup", 1002.0, seconds=99.0), launcher("train_command", 1003.0),
+  ]
+  run = goodput.account(first + second + third, reversed(launcher_records))  # any order
+  assert_adds_up(run)
+  assert run.starts[0].downtime_segments == []
+  assert run.starts[1].downtime(run.starts[0].ended) == pytest.approx(
+      {"detection": 90.0, "recreate": 300.0, "setup": 80.0, "other": 20.0})
+  assert run.starts[2].downtime(run.starts[1].ended) == pytest.approx(
+      {"detection": 90.0, "recreate": 300.0, "setup": 97.0, "other": 3.0})
+  assert run.downtime == pytest.approx({"detection": 180.0, "recreate": 600.0, "setup": 177.0, "other": 23.0})
+  assert sum(run.downtime.values()) == pytest.approx(run.seconds["between starts"], rel=1e-12)
+  report = goodput.report("gs://b/run", run)
+  assert "    recreate             600.0 s   59.4%  delete and create the slice" in report
+
+
+def test_without_the_launchers_records_the_time_between_starts_is_other_and_the_report_shows_no_split():
+  run = goodput.account(records_of("a", 0.0, ("end", 1, {"how": "preempted", "step": 0})) +
+                        records_of("b", 5.0, ("end", 1, {"how": "finished", "step": 0})))
+  assert run.downtime == {"detection": 0.0, "recreate": 0.0, "setup": 0.0, "other": 4.0}
+  assert "    detection" not in goodput.report("run", run)

@@ -19,11 +19,16 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m pretrain.demo --output_dir=$(DEMO_DIR)
 
+# Two pytest-xdist workers, each running whole test modules (their fixtures are made once), the long ones first
+# (tests/conftest.py): much of a test is single-threaded (imports, tracing, compiling), so two cores stay busy.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -8,6 +8,7 @@ own persistent cache, in a directory of this session: the many tests that train 
 session still starts cold, as CI does. All are set at import time so that subprocesses inherit them.
 """
 import os
+from pathlib import Path
 import shutil
 import tempfile
 
@@ -32,19 +33,37 @@ def demo_paths() -> dict:
   return demo_corpus.ensure_demo_corpus()
 
 
+def _once_per_run(tmp_path_factory, name: str, make) -> Path:
+  """A directory `make(directory)` fills once per test run: under pytest-xdist the first worker to ask makes it
+  while the others wait, then all share it (so they must only read it)."""
+  from filelock import FileLock
+  base = tmp_path_factory.getbasetemp()
+  if "PYTEST_XDIST_WORKER" in os.environ:
+    base = base.parent  # the run's directory, above each worker's own
+  directory, made = base / name, base / f"{name}.made"
+  with FileLock(str(base / f"{name}.lock")):
+    if not made.exists():
+      directory.mkdir()
+      make(directory)
+      made.touch()
+  return directory
+
+
 @pytest.fixture(scope="session")
 def bert_on_eight_devices(tmp_path_factory):
   """MODEL_DIR of BERT trained EIGHT_DEVICE_STEPS steps (SMALL_BERT, every step logged) on 8 host devices
-  (mesh data=4, model=2), in its own process; the export tests and the sharding test share it. The
-  process's stderr is in the file next to MODEL_DIR named STDERR_FILE."""
+  (mesh data=4, model=2), in its own process, once per test run; the export tests and the sharding test share
+  it. The process's stderr is in the file next to MODEL_DIR named STDERR_FILE."""
   from helpers import EIGHT_DEVICE_STEPS, STDERR_FILE, host_devices, run_module, small_bert_flags
-  model_dir = tmp_path_factory.mktemp("bert_eight_devices") / "run"
-  result = run_module("pretrain.train", *small_bert_flags(model_dir, EIGHT_DEVICE_STEPS), "--gin.LOG_EVERY_STEPS=1",
-                      "--gin.MESH_SHAPE={'data': 4, 'model': 2}", env=host_devices(8))
-  assert result.returncode == 0, result.stderr[-2000:]
-  assert "'data': 4" in result.stdout and "'model': 2" in result.stdout, result.stdout[-2000:]
-  (model_dir.parent / STDERR_FILE).write_text(result.stderr)
-  return model_dir
+
+  def train_on_eight_devices(directory):
+    result = run_module("pretrain.train", *small_bert_flags(directory / "run", EIGHT_DEVICE_STEPS),
+                        "--gin.LOG_EVERY_STEPS=1", "--gin.MESH_SHAPE={'data': 4, 'model': 2}", env=host_devices(8))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "'data': 4" in result.stdout and "'model': 2" in result.stdout, result.stdout[-2000:]
+    (directory / STDERR_FILE).write_text(result.stderr)
+
+  return _once_per_run(tmp_path_factory, "bert_eight_devices", train_on_eight_devices) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +91,13 @@ def gcs_bucket(tmp_path_factory):
     for name in set(os.environ) - set(saved):
       del os.environ[name]
     os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Modules marked `starts_first` (the longest: they train in several processes or many times) run first, so
+  that under pytest-xdist (`make test`: two workers, each module whole on one) no worker is left with a long
+  module at the end while the other idles."""
+  items.sort(key=lambda item: item.get_closest_marker("starts_first") is None)  # stable: file order otherwise
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -12,6 +12,8 @@ import docstring_classes  # noqa: E402
 import finetune_hf  # noqa: E402
 import finetune_jax  # noqa: E402
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 NUM_CLASSES = 3
 STEPS = 100  # the tiny model's loss stays near log(3) for some 40 steps, then falls
 FEW_STEPS = [f"--steps={STEPS}", "--batch_size=32", "--learning_rate=2e-3", f"--num_classes={NUM_CLASSES}",

@@ -8,6 +8,8 @@ import pytest
 
 from helpers import SMALL_BERT, train
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 CACHE_ENTRY = "*-cache"  # the files JAX writes, one per executable
 
 

@@ -20,6 +20,8 @@ from pretrain import checkpoints, export, import_hf, registry
 from pretrain.hf_mappings import bart as bart_mapping
 from pretrain.hf_mappings.common import flatten_params
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 TOLERANCE = 1e-4  # fp32 logits of the same weights, our kernels vs torch's
 # The other families' tiny demo runs, shrunk to stay fast (BERT's: SMALL_BERT).
 FAST_RUNS = {

@@ -15,6 +15,8 @@ import pytest
 
 from helpers import ROOT, SMALL_BERT, flip_a_bit, module_command, train
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 STEPS, STOP_AT = 6, 3
 
 

@@ -23,6 +23,8 @@ from helpers import flip_a_bit, largest_array_file, logged_losses, module_comman
 from pretrain import cli
 from pretrain import train as train_program
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 TRAIN_STEPS = 30
 PREEMPT_AFTER_STEP = 6  # after the checkpoint of step 5, which the damaged one's resume falls back on
 # DATA_SHARDS=2 fixes the global batch's seqio shards, whatever the number of processes reading them.

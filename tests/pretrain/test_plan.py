@@ -15,6 +15,8 @@ import pytest
 
 from pretrain import cli, plan
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 RUN = "gin_configs/runs/bert_tiny_demo.gin"
 V3_USABLE_GIB = 15.48  # per TensorCore, the compiler's own limit (its out-of-memory message)
 V3_ICI_PER_CORE = 340e12 / 1024 / 2  # bytes/s: Cloud's all-reduce bandwidth per v3 Pod, per chip, per TensorCore

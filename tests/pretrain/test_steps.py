@@ -13,6 +13,8 @@ import pytest
 
 from helpers import ROOT, host_devices, run
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 RUN = "gin_configs/runs/bert_tiny_demo.gin"
 SCAN_REMAT = ["bert.BertConfig.scan_layers = True", "bert.BertConfig.remat_policy = 'full'"]
 VARIANTS = {"plain": [], "microbatches": ["MICROBATCHES = 2"], "lamb": ["OPTIMIZER = 'lamb'"],

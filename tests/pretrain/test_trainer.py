@@ -8,6 +8,8 @@ import pytest
 from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, logged_losses, train
 from data_pipelines import vocab
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 SMALL_XLNET = [
     "xlnet.XLNetConfig.d_model = 32", "xlnet.XLNetConfig.d_head = 16", "xlnet.XLNetConfig.d_inner = 64",
     "SEQ_LEN = 32", "MEM_LEN = 16", "REUSE_LEN = 16", "NUM_PREDICT = 6", "BATCH_SIZE = 2", "WARMUP_STEPS = 2",

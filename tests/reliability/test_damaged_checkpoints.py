@@ -14,6 +14,8 @@ from helpers import ROOT, SMALL_BERT, flip_a_bit, largest_array_file, train
 from pretrain import checkpoints
 from pretrain.errors import TrainingStopped
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 BINDINGS = SMALL_BERT + ["CHECKPOINT_EVERY_STEPS = 1", "KEEP_CHECKPOINTS = 10"]
 STEPS = 7
 

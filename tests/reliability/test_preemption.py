@@ -16,6 +16,8 @@ from helpers import SMALL_BERT, logged_losses, small_bert_flags, start_module, t
 from pretrain import goodput, trainer
 from pretrain.errors import Interrupted
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 TRAIN_STEPS = 400  # far more than run before the signal arrives: the schedule is pinned to this length
 SCHEDULE = [f"optimizers.warmup_linear_decay.total_steps = {TRAIN_STEPS}", "LOG_EVERY_STEPS = 1",
             "CHECKPOINT_EVERY_STEPS = 1000"]  # no periodic checkpoint before the preemption

@@ -1,12 +1,13 @@
 """Manage a Cloud TPU slice and run `pretrain.train` on all its hosts.
 
   python -m launch.tpu create|setup|run|status|logs|delete --name=NAME --zone=ZONE \\
-      [--accelerator_type=v3-512] [--runtime_version=tpu-ubuntu2204-base] [--spot|--preemptible] \\
+      [--accelerator_type=v3-512] [--runtime_version=RUNTIME] [--spot|--preemptible] \\
       [--queued] [--project=PROJECT] [--dry_run]
   python -m launch.tpu run --name=xlnet-large --zone=europe-west4-a \\
       --gin_file=gin_configs/runs/xlnet_large_v3_512.gin --model_dir=gs://BUCKET/xlnet_large --dry_run
 
-  create  creates the slice (`tpu-vm create`, or a queued resource with --queued, waiting until ACTIVE).
+  create  creates the slice (`tpu-vm create`, or a queued resource with --queued, waiting until ACTIVE), with
+          the runtime Google lists for its chip (launch/runtimes.py) unless --runtime_version is given.
   setup   puts the project in ~/pod-pretrain on every host (copies this tree, or clones --repo_url
           [--branch]) and runs `pip install -e ".[tpu]"` there, unless the host has an install for the same
           setup.py; with --wheel_cache=gs://... from that cache's wheels, filling it on the first setup.
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from launch import gcloud, hosts, run_events
+from launch import gcloud, hosts, run_events, runtimes
 
 COMMANDS = ("create", "setup", "run", "status", "logs", "delete")
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -84,7 +85,7 @@ def _parser() -> _OneLineErrorParser:
   p.add_argument("--zone", required=True)
   p.add_argument("--project")
   p.add_argument("--accelerator_type", help="e.g. v3-512; needed to create the slice")
-  p.add_argument("--runtime_version", default="tpu-ubuntu2204-base")
+  p.add_argument("--runtime_version", help="create: TPU software version; by default the one for the chip")
   p.add_argument("--spot", action="store_true")
   p.add_argument("--preemptible", action="store_true")
   p.add_argument("--queued", action="store_true", help="create the slice through a queued resource")
@@ -133,6 +134,9 @@ def _problem_with(args: argparse.Namespace, extra: list[str]) -> str | None:
     return f"--accelerator_type={args.accelerator_type!r} is not like v3-512"
   if needs_accelerator and not args.accelerator_type:
     return f"--accelerator_type is required to create the slice ({args.command})"
+  if needs_accelerator and not args.runtime_version and runtimes.runtime_for(args.accelerator_type) is None:
+    return (f"no known runtime for TPU {runtimes.chip(args.accelerator_type)!r} (--accelerator_type="
+            f"{args.accelerator_type}; known: {', '.join(runtimes.RUNTIME_BY_CHIP)}); give --runtime_version")
   if args.spot and args.preemptible:
     return "--spot and --preemptible are exclusive"
   if args.queued and args.preemptible:
@@ -167,12 +171,13 @@ def _must(runner: gcloud.Runner, argv: list[str], what: str) -> None:
 
 def create(args, runner: gcloud.Runner) -> None:
   target = _target(args)
+  runtime = args.runtime_version or runtimes.runtime_for(args.accelerator_type)
   if args.queued:
-    _must(runner, gcloud.create_queued_resource(target, args.accelerator_type, args.runtime_version,
-                                                spot=args.spot), f"creating queued resource {args.name}")
+    _must(runner, gcloud.create_queued_resource(target, args.accelerator_type, runtime, spot=args.spot),
+          f"creating queued resource {args.name}")
     _wait_until_active(args, runner)
   else:
-    _must(runner, gcloud.create_tpu_vm(target, args.accelerator_type, args.runtime_version,
+    _must(runner, gcloud.create_tpu_vm(target, args.accelerator_type, runtime,
                                        spot=args.spot, preemptible=args.preemptible),
           f"creating slice {args.name}")
 

@@ -173,6 +173,17 @@ def test_create_tpu_vm(gcloud, flags, expected_tail):
                                  "--version=tpu-ubuntu2204-base", *expected_tail)]
 
 
+@pytest.mark.parametrize("accelerator_type, runtime", [
+    ("v2-8", "tpu-ubuntu2204-base"), ("v3-512", "tpu-ubuntu2204-base"), ("v4-128", "tpu-ubuntu2204-base"),
+    ("v5litepod-16", "v2-alpha-tpuv5-lite"), ("v5p-8", "v2-alpha-tpuv5"), ("v6e-8", "v2-alpha-tpuv6e"),
+])
+def test_create_asks_for_the_chips_runtime(gcloud, tmp_path, accelerator_type, runtime):
+  done = gcloud.launch("create", *SLICE, f"--accelerator_type={accelerator_type}", "--dry_run", path=str(tmp_path))
+  assert done.returncode == 0, done.stderr
+  assert done.stdout == (f"+ gcloud compute tpus tpu-vm create pod --zone=europe-west4-a "
+                         f"--accelerator-type={accelerator_type} --version={runtime}\n")
+
+
 def test_create_queued_waits_until_active(gcloud):
   done = gcloud.launch("create", *SLICE, "--accelerator_type=v3-512", "--queued", "--spot",
                        "--runtime_version=v2-alpha", "--poll_seconds=0",
@@ -393,6 +404,9 @@ def test_dry_run_prints_commands_without_gcloud(gcloud, tmp_path):
      "launch.tpu: error: the following arguments are required: --name"),
     (["create", *SLICE, "--dry_run"],
      "launch.tpu: error: --accelerator_type is required to create the slice (create)"),
+    (["create", *SLICE, "--accelerator_type=v9z-8", "--dry_run"],
+     "launch.tpu: error: no known runtime for TPU 'v9z' (--accelerator_type=v9z-8; known: v2, v3, v4, v5litepod, "
+     "v5p, v6e); give --runtime_version"),
     (["setup", *SLICE, "--wheel_cache=/tmp/wheels", "--dry_run"],
      "launch.tpu: error: --wheel_cache must be a gs:// URL that every host can read (got '/tmp/wheels')"),
 ])

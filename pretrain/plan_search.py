@@ -57,6 +57,7 @@ class Candidate:
   layout: Layout
   plan: roofline.Plan  # figures None: the compiler refused even its small steps
   confirmed: bool = False
+  estimate: Optional[roofline.Plan] = None  # of a confirmed layout: what the small compiles said
 
   @property
   def fits(self) -> bool:
@@ -71,7 +72,7 @@ class Candidate:
 @dataclasses.dataclass
 class SearchResult:
   candidates: List[Candidate]  # ranked
-  best: Optional[Candidate]  # the fastest confirmed fitting layout, with at least HEADROOM_WARNING free if any has
+  best: Optional[Candidate]  # the fastest fitting layout, confirmed if any is (see _best)
   layouts: int  # how many the search considered
   discarded: Dict[str, int]  # layouts not compiled, by reason
   compiles: int
@@ -113,19 +114,25 @@ class LayoutSearch:
   """One search: the run, the slice, and every compile it has made (a step compiled once serves every use)."""
 
   def __init__(self, arguments: dict, topology: str, num_slices: int, show: Callable, deadline: float):
-    from pretrain import partitioning, trainer
+    from pretrain import trainer
     self.arguments, self.topology, self.num_slices, self.show, self.deadline = (arguments, topology, num_slices,
                                                                                 show, deadline)
     self.devices = roofline.slice_devices(topology, num_slices)
     self.family = trainer.fitted_family(arguments["family"], arguments["mixture_or_task_name"],
                                         arguments["task_feature_lengths"])
-    self.make_mesh = lambda shape: partitioning.make_mesh(shape, devices=self.devices, num_slices=num_slices)
-    self.data_parallel_groups = partitioning.data_parallel_groups
     self.compiled: Dict[tuple, tuple] = {}  # (layout mesh, microbatches, model config) -> (figures or None, s)
     self.compiles = 0
     self.model_flops = None
     self.usable_hbm = None
     self.discarded: Dict[str, int] = {}  # layouts not compiled: how many, by reason
+
+  def make_mesh(self, mesh_shape: dict):
+    from pretrain import partitioning
+    return partitioning.make_mesh(mesh_shape, devices=self.devices, num_slices=self.num_slices)
+
+  def data_parallel_groups(self, mesh_shape: dict) -> int:
+    from pretrain import partitioning
+    return partitioning.data_parallel_groups(self.make_mesh(mesh_shape))
 
   @property
   def out_of_time(self) -> bool:
@@ -190,7 +197,7 @@ class LayoutSearch:
     if figures is not None and layout.scan_layers:
       figures = dataclasses.replace(figures, flops=twin.plan.figures.flops,
                                     bytes_accessed=twin.plan.figures.bytes_accessed)
-    return Candidate(layout, self.plan(layout, figures, seconds), confirmed=True)
+    return Candidate(layout, self.plan(layout, figures, seconds), confirmed=True, estimate=candidate.plan)
 
   def hbm_limit(self, mesh: tuple) -> float:
     """Usable HBM per device: the slice's, read once from the Plan of one of its layouts."""
@@ -199,7 +206,7 @@ class LayoutSearch:
     return self.usable_hbm
 
   def valid_microbatches(self, mesh: tuple) -> List[int]:
-    groups = self.data_parallel_groups(self.make_mesh(dict(mesh)))
+    groups = self.data_parallel_groups(dict(mesh))
     return divisors(max(1, self.arguments["batch_size"] // groups))
 
   def run(self, confirm: int) -> SearchResult:
@@ -212,6 +219,8 @@ class LayoutSearch:
                         for mesh in meshes}
     floors, least_floor, holding = {}, None, {}  # holding: model size -> meshes that hold the state, least fsdp first
     for mesh in meshes:
+      if self.out_of_time:
+        break
       try:
         floors[mesh] = state_bytes_per_device(self.setup(Layout(mesh, 1, "none", False)))
       except (ConfigError, ValueError) as e:  # make_setup's refusal; an array the mesh does not divide
@@ -239,11 +248,17 @@ class LayoutSearch:
         break
       twin = next(c for c in ranked if c.layout == dataclasses.replace(candidate.layout, scan_layers=False))
       ranked[ranked.index(candidate)] = self.confirm(candidate, twin)
+    unrolled = {c.layout: c for c in ranked if not c.layout.scan_layers}
+    for index, candidate in enumerate(ranked):  # a scanned estimate follows its twin's confirmed figures
+      twin = unrolled.get(dataclasses.replace(candidate.layout, scan_layers=False))
+      if candidate.layout.scan_layers and not candidate.confirmed and twin.confirmed:
+        ranked[index] = Candidate(candidate.layout, dataclasses.replace(twin.plan, scan_layers=True))
     ranked.sort(key=Candidate.rank_key)
     result = SearchResult(ranked, _best(ranked), considered, self.discarded, self.compiles, time.time() - start,
                           self.out_of_time, config_name(config))
     if result.best is None:
-      result.suggestion = self.suggestion(ranked, floors, least_floor)
+      result.suggestion = ("--max_minutes ran out before any layout was found to fit: allow more"
+                           if result.stopped_early else self.suggestion(ranked, floors, least_floor))
     return result
 
   def explore_model_split(self, meshes: List[tuple], floors: dict) -> List[Candidate]:
@@ -293,7 +308,7 @@ class LayoutSearch:
       return "the compiler refuses even the smallest steps: use a larger slice or shorter sequences"
     least = min(measured, key=lambda c: c.plan.figures.hbm_total)
     layout, floor = least.layout, floors[least.layout.mesh]
-    groups = self.data_parallel_groups(self.make_mesh(layout.mesh_shape))
+    groups = self.data_parallel_groups(layout.mesh_shape)
     rows = self.arguments["batch_size"] // (groups * layout.microbatches)
     per_row = (least.plan.figures.hbm_total - floor) / rows
     rows_that_fit = int((limit - floor) // per_row)
@@ -315,10 +330,11 @@ def _allows(config, **changes) -> bool:
 
 
 def _best(ranked: List[Candidate]) -> Optional[Candidate]:
-  """The fastest confirmed fitting layout, preferring one with HEADROOM_WARNING of HBM free."""
+  """The fastest confirmed fitting layout, preferring one with HEADROOM_WARNING of HBM free; where none is
+  confirmed (the time ran out, or every confirmed one was too big), the fastest that fits by estimate."""
   confirmed = [c for c in ranked if c.confirmed and c.fits]
   roomy = [c for c in confirmed if c.plan.headroom >= roofline.HEADROOM_WARNING]
-  return (roomy or confirmed or [None])[0]
+  return (roomy or confirmed or [c for c in ranked if c.fits] or [None])[0]
 
 
 def _count(counts: dict, reason: str, layouts: int) -> None:
@@ -355,6 +371,9 @@ def table_lines(result: SearchResult) -> List[str]:
                    f"{'confirmed' if c.confirmed else 'estimate'}")
       continue
     source = "confirmed" if c.confirmed else ("estimate (memory as unrolled)" if c.layout.scan_layers else "estimate")
+    if c.estimate is not None and c.estimate.figures is not None:
+      source += (f" (estimate {c.estimate.figures.hbm_total / roofline.GIB:.2f} GiB, "
+                 f"{c.estimate.overlapped_seconds():.3g} s)")
     lines.append(f"{rank} | {c.layout.label()} | {'yes' if c.fits else 'no'}: {p.figures.hbm_total / roofline.GIB:.2f} "
                  f"of {p.hbm_limit / roofline.GIB:.2f} GiB ({p.headroom:.0%}) | {p.overlapped_seconds():.3g} s / "
                  f"{p.serial_seconds():.3g} s | {p.mfu(p.overlapped_seconds()):.1%} | {p.compile_seconds:.0f} s | "

@@ -113,3 +113,11 @@ def test_the_search_compiles_no_layout_that_a_fitting_one_dominates_or_that_cann
   # and so do dots with one microbatch (50 + 40). Each fitting layout dominates those with at least as much
   # fsdp, microbatches and remat: nothing else is compiled, no 'full' remat at all.
   assert tried == {(1, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True, (1, 1, "dots"): True}
+
+
+def test_max_minutes_stops_the_search_and_reports_what_it_has():
+  result = run_plan("--search", "--max_minutes=0.0001", *TINY)  # over before the first compile
+  assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+  assert re.search(r"102 layouts, 0 compiles in \d+ s \(stopped at --max_minutes\)", result.stdout), result.stdout
+  last = result.stderr.strip().splitlines()[-1]
+  assert last == "pretrain.plan: no layout fits: --max_minutes ran out before any layout was found to fit: allow more"

@@ -9,11 +9,13 @@
   create  creates the slice (`tpu-vm create`, or a queued resource with --queued, waiting until ACTIVE), with
           the runtime Google lists for its chip (launch/runtimes.py) unless --runtime_version is given.
   setup   puts the project in ~/pod-pretrain on every host (copies this tree, or clones --repo_url
-          [--branch]) and runs `pip install -e ".[tpu]"` there, unless the host has an install for the same
-          setup.py; with --wheel_cache=gs://... from that cache's wheels, filling it on the first setup.
-  run     runs `python3 -m pretrain.train --gin_file=... --gin.MODEL_DIR="gs://..." [--gin.KEY=VALUE...]
-          [args after --]` on every host; output goes to ~/pod-pretrain.log on each host and is
-          followed here. With --restart_on_preemption a preempted or lost slice is deleted, recreated,
+          [--branch]), makes a virtual environment with Python --python (default 3.11) or newer in
+          ~/.pod-pretrain-venv (from the host's python3 where it is new enough, else with uv) and runs
+          `pip install -e ".[tpu]"` in it, unless the host has an install for the same setup.py and Python;
+          with --wheel_cache=gs://... from that cache's wheels, filling it on the first setup.
+  run     runs `~/.pod-pretrain-venv/bin/python -m pretrain.train --gin_file=... --gin.MODEL_DIR="gs://..."
+          [--gin.KEY=VALUE...] [args after --]` on every host; output goes to ~/pod-pretrain.log on each
+          host and is followed here. With --restart_on_preemption a preempted or lost slice is deleted, recreated,
           set up and the run started again, at most --max_restarts times (see "Preemption" below); each
           restart's detection, delete, create and setup times go to MODEL_DIR/goodput_launcher/ for
           `python -m pretrain.goodput MODEL_DIR`.
@@ -64,6 +66,7 @@ STOPPED_STATE = "STOPPED"
 
 _ACCELERATOR_TYPE = re.compile(r"v\d+[a-z]*-\d+")  # v3-512, v4-128, v5p-8, v5litepod-16, v6e-8
 _SLICE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_PYTHON_VERSION = re.compile(r"3\.\d+")
 
 
 class LaunchError(Exception):
@@ -97,6 +100,9 @@ def _parser() -> _OneLineErrorParser:
   p.add_argument("--branch", help="setup: branch or tag of --repo_url")
   p.add_argument("--wheel_cache", help="setup, run: gs:// folder of the install's wheels, filled by the first setup "
                                        "and installed from offline by later ones")
+  p.add_argument("--python", default="3.11",
+                 help="setup, run: the least Python version of the hosts' virtual environment (setup.py needs 3.11); "
+                      "a host whose python3 is older gets this version through uv")
   p.add_argument("--gin_file", action="append", default=[], help="run: repeatable")
   p.add_argument("--gin_bindings", action="append", default=[], help="run: KEY=VALUE, repeatable")
   p.add_argument("--model_dir", help="run: gs:// directory for checkpoints and metrics")
@@ -145,6 +151,8 @@ def _problem_with(args: argparse.Namespace, extra: list[str]) -> str | None:
     return "--branch needs --repo_url"
   if min(args.max_restarts, args.poll_seconds, args.preemption_grace_seconds, args.max_settle_seconds) < 0:
     return "--max_restarts, --poll_seconds, --preemption_grace_seconds and --max_settle_seconds must be >= 0"
+  if not _PYTHON_VERSION.fullmatch(args.python):
+    return f"--python={args.python!r} is not a Python version like 3.11"
   if args.wheel_cache and not args.wheel_cache.startswith("gs://"):
     return f"--wheel_cache must be a gs:// URL that every host can read (got {args.wheel_cache!r})"
   if args.command == "run":
@@ -216,7 +224,7 @@ def _state(args, runner: gcloud.Runner) -> str | None:
 
 def setup(args, runner: gcloud.Runner) -> None:
   target = _target(args)
-  install = hosts.install_command(args.wheel_cache)
+  install = hosts.install_command(args.wheel_cache, args.python)
   if args.repo_url:
     branch = f"--branch={shlex.quote(args.branch)} " if args.branch else ""
     clone = (f"rm -rf {hosts.REMOTE_DIR} && git clone --depth=1 {branch}{shlex.quote(args.repo_url)} "
@@ -235,13 +243,13 @@ def setup(args, runner: gcloud.Runner) -> None:
 
 def train_command(args, extra: list[str]) -> str:
   """The shell command each host runs for `run`."""
-  train = [hosts.REMOTE_PYTHON, "-m", "pretrain.train"]
-  train += [f"--gin_file={f}" for f in args.gin_file]
+  train = ["-m", "pretrain.train"] + [f"--gin_file={f}" for f in args.gin_file]
   train += [f'--gin.MODEL_DIR="{args.model_dir}"'] + [f"--gin.{b}" for b in args.gin_bindings] + extra
   # nohup keeps training alive if the ssh session drops; tail follows the log until training exits
-  # and `wait` hands its exit code back through ssh, so we know when and how the run ended.
+  # and `wait` hands its exit code back through ssh, so we know when and how the run ended. The python's
+  # path is left unquoted for the host's shell to expand.
   return (f"cd {hosts.REMOTE_DIR} || exit 1; : > {REMOTE_LOG}; "
-          f"nohup {shlex.join(train)} >> {REMOTE_LOG} 2>&1 < /dev/null & pid=$!; "
+          f"nohup {hosts.REMOTE_PYTHON} {shlex.join(train)} >> {REMOTE_LOG} 2>&1 < /dev/null & pid=$!; "
           f"tail -n +1 -f --pid=$pid {REMOTE_LOG}; wait $pid")
 
 

@@ -14,15 +14,23 @@ from pretrain import goodput
 
 SLICE = ["--name=pod", "--zone=europe-west4-a"]
 ZONE = "--zone=europe-west4-a"
-INSTALL = hosts.install_command(None)
+INSTALL = hosts.install_command(None, "3.11")
 WHEEL_CACHE = "gs://bucket/wheels"
 TRAIN = ("cd ~/pod-pretrain || exit 1; : > ~/pod-pretrain.log; "
-         "nohup python3 -m pretrain.train --gin_file=gin_configs/runs/a.gin --gin_file=b.gin "
+         "nohup $HOME/.pod-pretrain-venv/bin/python -m pretrain.train --gin_file=gin_configs/runs/a.gin "
+         "--gin_file=b.gin "
          "'--gin.MODEL_DIR=\"gs://bucket/run1\"' --gin.TRAIN_STEPS=100 --seed=3 "
          ">> ~/pod-pretrain.log 2>&1 < /dev/null & pid=$!; "
          "tail -n +1 -f --pid=$pid ~/pod-pretrain.log; wait $pid")
 RUN_FLAGS = ["--gin_file=gin_configs/runs/a.gin", "--gin_file=b.gin", "--model_dir=gs://bucket/run1",
              "--gin_bindings=TRAIN_STEPS=100"]
+# What the simulated host runs (its home shown as HOME) to make the environment and install in it.
+VENV_PYTHON = "HOME/.pod-pretrain-venv/bin/python"
+AT_LEAST_3_11 = "-c import sys; sys.exit(sys.version_info < (3, 11))"
+UV_VENV_3_11 = [f"python3 {AT_LEAST_3_11}", "python3 -m pip install --user uv",
+                "python3 -m uv venv --seed --python=3.11 HOME/.pod-pretrain-venv"]
+FINGERPRINT = f"{VENV_PYTHON} -V"
+PIP_INSTALL = f"{VENV_PYTHON} -m pip install -e .[tpu]"
 # Restarting without the second look at a READY slice, for tests about what comes before or after it.
 RESTART_AT_ONCE = ["--accelerator_type=v3-512", "--restart_on_preemption", "--preemption_grace_seconds=0"]
 
@@ -30,9 +38,9 @@ RESTART_AT_ONCE = ["--accelerator_type=v3-512", "--restart_on_preemption", "--pr
 # the next line of the states file (the last line repeats; "!REASON" fails with "ERROR: REASON" on stderr, as gcloud
 # does). `storage cp` copies between local paths and gs://BUCKET/PATH, kept as $FAKE_GCS/BUCKET/PATH. The slice is
 # one simulated host, a home directory that create and delete empty: scp copies there, and ssh runs the command
-# there with bash, with the fake python3 and git of HOST_TOOL. The Nth ssh running pretrain.train appends a start's
-# goodput records to its MODEL_DIR and exits with the Nth code in $FAKE_TRAIN_RCS (the last repeats); one reading
-# the log does nothing. An scp records what the staged source directory holds.
+# there with bash, with the fake python3 (and uv) and git of HOST_TOOL. The Nth ssh running pretrain.train appends
+# a start's goodput records to its MODEL_DIR and exits with the Nth code in $FAKE_TRAIN_RCS (the last repeats); one
+# reading the log does nothing. An scp records what the staged source directory holds.
 STAND_IN = """#!{python}
 import glob, json, os, re, shutil, subprocess, sys, time, uuid
 argv = sys.argv[1:]
@@ -81,17 +89,39 @@ elif argv[3] == "ssh" and "pod-pretrain.log" not in argv[-1]:
   env = dict(os.environ, HOME=home, PATH=host_path, FAKE_ON_HOST="1")
   sys.exit(subprocess.run(["bash", "-c", argv[-1][len("--command="):]], env=env).returncode)
 """
-# The host's python3 (only `-m pip`) and git (only `clone`), logging to $FAKE_HOST_LOG. `pip wheel` builds two wheels
-# into --wheel-dir; `pip install --no-index` fails unless --find-links holds a wheel.
+# The host's python3 and git (only `clone`), and the python of each virtual environment, logging to $FAKE_HOST_LOG
+# (a python in the home by its path, others by name). A python is Python $FAKE_HOST_PYTHON_VERSION, or its
+# environment's version; `-c CODE` runs CODE with that sys.version_info. `-m venv DIR`, and uv's
+# `-m uv venv --python=VERSION DIR`, make an environment whose python is this script (`-m pip install --user uv`
+# does nothing). `pip wheel` builds two wheels into --wheel-dir; `pip install --no-index` fails unless --find-links
+# holds a wheel.
 HOST_TOOL = """#!{python}
-import glob, json, os, sys
-argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]
+import glob, json, os, shutil, sys
+me = sys.argv[0]
+argv = [me if me.startswith(os.environ["HOME"] + os.sep) else os.path.basename(me)] + sys.argv[1:]
 with open(os.environ["FAKE_HOST_LOG"], "a") as log:
   log.write(json.dumps({{"argv": argv}}) + "\\n")
 flags = dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+venv_version = os.path.join(os.path.dirname(os.path.dirname(me)), "version")
+version = open(venv_version).read() if os.path.exists(venv_version) else os.environ["FAKE_HOST_PYTHON_VERSION"]
+
+def make_venv(path, version):
+  os.makedirs(os.path.join(path, "bin"))
+  shutil.copy(me, os.path.join(path, "bin", "python"))
+  open(os.path.join(path, "version"), "w").write(version)
+
 if argv[0] == "git":
   os.makedirs(os.path.expanduser(argv[-1]))
   open(os.path.join(os.path.expanduser(argv[-1]), "setup.py"), "w").write("cloned")
+elif argv[1] == "-c":
+  sys.version_info = tuple(map(int, version.split(".")))
+  exec(argv[2])
+elif argv[1] == "-V":
+  print("Python " + version)
+elif argv[1:3] == ["-m", "venv"]:
+  make_venv(argv[-1], version)
+elif argv[1:4] == ["-m", "uv", "venv"]:
+  make_venv(argv[-1], flags["--python"])
 elif argv[1:4] == ["-m", "pip", "wheel"]:
   for name in ("dep-1.0-py3-none-any.whl", "pod_pretrain-0.1.0-py3-none-any.whl"):
     open(os.path.join(flags["--wheel-dir"], name), "w").close()
@@ -123,7 +153,7 @@ class FakeGcloud:
     self.env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_GCLOUD_LOG": str(self.log),
                 "FAKE_GCLOUD_STATES": str(self.states), "FAKE_GCS": str(tmp_path / "gcs"),
                 "FAKE_HOST_HOME": str(self.host_home), "FAKE_HOST_BIN": str(host_bin),
-                "FAKE_HOST_LOG": str(self.host_log)}
+                "FAKE_HOST_LOG": str(self.host_log), "FAKE_HOST_PYTHON_VERSION": "3.10"}
 
   def launch(self, *args, states=("READY",), train_rc=0, path=None):
     """train_rc: the exit code of every run, or a tuple of each run's in turn."""
@@ -141,8 +171,8 @@ class FakeGcloud:
     return [e["argv"] for e in self.entries()]
 
   def host_calls(self):
-    """What the host ran since the last call, each as one line; then forgets them."""
-    calls = [" ".join(e["argv"]) for e in self.entries(self.host_log)]
+    """What the host ran since the last call, each as one line with its home as HOME; then forgets them."""
+    calls = [" ".join(e["argv"]).replace(str(self.host_home), "HOME") for e in self.entries(self.host_log)]
     self.host_log.unlink(missing_ok=True)
     return calls
 
@@ -207,28 +237,46 @@ def test_setup_copies_local_tree_and_installs(gcloud):
   assert {"launch", "setup.py"} <= set(scp["staged"])
   assert not {".venv", ".git"} & set(scp["staged"])
   assert install["argv"] == tpus("tpu-vm", "ssh", "pod", ZONE, "--worker=all", f"--command={INSTALL}")
-  assert gcloud.host_calls() == ["python3 -m pip install -e .[tpu]"]
-  # The same setup.py on the same host: nothing to install.
+  assert gcloud.host_calls() == [*UV_VENV_3_11, FINGERPRINT, PIP_INSTALL]  # the host's python3 is 3.10
+  # The same setup.py and Python on the same host: nothing to make or install.
   done = gcloud.launch("setup", *SLICE)
   assert done.returncode == 0, done.stderr
-  assert gcloud.host_calls() == []
-  assert "pod-pretrain: already installed for this setup.py" in done.stdout
+  assert gcloud.host_calls() == [f"{VENV_PYTHON} {AT_LEAST_3_11}", FINGERPRINT]
+  assert "pod-pretrain: already installed for this setup.py and Python" in done.stdout
   (gcloud.host_home / "pod-pretrain" / "setup.py").write_text("changed")  # as a changed tree's copy would be
   done = gcloud.launch("setup", *SLICE, "--repo_url=https://example.com/pod-pretrain.git")
   assert done.returncode == 0, done.stderr
-  assert gcloud.host_calls()[-1] == "python3 -m pip install -e .[tpu]"
+  assert gcloud.host_calls()[-2:] == [FINGERPRINT, PIP_INSTALL]
+  # Another Python: a new environment, and the install in it.
+  done = gcloud.launch("setup", *SLICE, "--python=3.12")
+  assert done.returncode == 0, done.stderr
+  assert gcloud.host_calls()[-3:] == ["python3 -m uv venv --seed --python=3.12 HOME/.pod-pretrain-venv",
+                                      FINGERPRINT, PIP_INSTALL]
+
+
+@pytest.mark.parametrize("host_python, made_with", [
+    ("3.10", UV_VENV_3_11[1:]),  # tpu-ubuntu2204-base's
+    ("3.12", ["python3 -m venv HOME/.pod-pretrain-venv"]),
+])
+def test_setup_makes_a_venv_that_run_trains_with(gcloud, host_python, made_with):
+  gcloud.env["FAKE_HOST_PYTHON_VERSION"] = host_python
+  assert gcloud.launch("setup", *SLICE).returncode == 0
+  assert gcloud.host_calls() == [f"python3 {AT_LEAST_3_11}", *made_with, FINGERPRINT, PIP_INSTALL]
+  assert gcloud.launch("run", *SLICE, *RUN_FLAGS).returncode == 0
+  train = gcloud.calls()[-1][-1]
+  python = re.search(r"nohup (\S+) -m pretrain.train ", train)[1].replace("$HOME", str(gcloud.host_home))
+  assert os.access(python, os.X_OK) and python == VENV_PYTHON.replace("HOME", str(gcloud.host_home))
 
 
 def test_setup_with_a_wheel_cache_fills_it_once_and_installs_offline_from_it(gcloud):
   done = gcloud.launch("setup", *SLICE, f"--wheel_cache={WHEEL_CACHE}")
   assert done.returncode == 0, done.stderr
-  offline = "python3 -m pip install --no-index --find-links=HOME/.pod-pretrain-wheels -e .[tpu]"
+  offline = f"{VENV_PYTHON} -m pip install --no-index --find-links=HOME/.pod-pretrain-wheels -e .[tpu]"
   cache_get = f"storage cp {WHEEL_CACHE}/*.whl HOME/.pod-pretrain-wheels/"
-  home = str(gcloud.host_home)
-  assert [c.replace(home, "HOME") for c in gcloud.host_calls()] == [
-      cache_get, offline,  # the cache is empty: the offline install fails
-      "python3 -m pip wheel --wheel-dir=HOME/.pod-pretrain-wheels --find-links=HOME/.pod-pretrain-wheels setuptools "
-      "wheel .[tpu]", offline,
+  assert gcloud.host_calls() == [
+      *UV_VENV_3_11, FINGERPRINT, cache_get, offline,  # the cache is empty: the offline install fails
+      f"{VENV_PYTHON} -m pip wheel --wheel-dir=HOME/.pod-pretrain-wheels --find-links=HOME/.pod-pretrain-wheels "
+      "setuptools wheel .[tpu]", offline,
       f"storage cp --no-clobber HOME/.pod-pretrain-wheels/dep-1.0-py3-none-any.whl {WHEEL_CACHE}/"]  # worker 0
   assert "pod-pretrain: building the wheels the cache lacks" in done.stdout
   assert os.listdir(gcloud.bucket / "wheels") == ["dep-1.0-py3-none-any.whl"]  # not the project's own wheel
@@ -389,6 +437,7 @@ def test_dry_run_prints_commands_without_gcloud(gcloud, tmp_path):
   done = gcloud.launch("run", *SLICE, *RUN_FLAGS, "--dry_run", "--", "--seed=3", path=str(tmp_path))
   assert done.returncode == 0, done.stderr
   assert done.stdout.startswith("+ gcloud compute tpus tpu-vm ssh pod --zone=europe-west4-a --worker=all ")
+  assert "nohup $HOME/.pod-pretrain-venv/bin/python -m pretrain.train " in done.stdout
   assert gcloud.calls() == []
 
 
@@ -407,6 +456,7 @@ def test_dry_run_prints_commands_without_gcloud(gcloud, tmp_path):
     (["create", *SLICE, "--accelerator_type=v9z-8", "--dry_run"],
      "launch.tpu: error: no known runtime for TPU 'v9z' (--accelerator_type=v9z-8; known: v2, v3, v4, v5litepod, "
      "v5p, v6e); give --runtime_version"),
+    (["setup", *SLICE, "--python=3", "--dry_run"], "launch.tpu: error: --python='3' is not a Python version like 3.11"),
     (["setup", *SLICE, "--wheel_cache=/tmp/wheels", "--dry_run"],
      "launch.tpu: error: --wheel_cache must be a gs:// URL that every host can read (got '/tmp/wheels')"),
 ])
@@ -424,10 +474,9 @@ def test_a_restart_records_its_downtime_and_sets_up_from_the_wheel_cache(gcloud)
                        states=("PREEMPTED", "READY"))
   assert done.returncode == 0, done.stderr
   # The recreated host is fresh: it installs, offline from the cache, and builds nothing.
-  home = str(gcloud.host_home)
-  assert [c.replace(home, "HOME") for c in gcloud.host_calls()] == [
-      f"storage cp {WHEEL_CACHE}/*.whl HOME/.pod-pretrain-wheels/",
-      "python3 -m pip install --no-index --find-links=HOME/.pod-pretrain-wheels -e .[tpu]"]
+  assert gcloud.host_calls() == [
+      *UV_VENV_3_11, FINGERPRINT, f"storage cp {WHEEL_CACHE}/*.whl HOME/.pod-pretrain-wheels/",
+      f"{VENV_PYTHON} -m pip install --no-index --find-links=HOME/.pod-pretrain-wheels -e .[tpu]"]
 
   (records_object,) = (gcloud.bucket / "run1" / run_events.RECORDS_DIR).iterdir()
   write = gcloud.calls()[-3]
@@ -451,5 +500,7 @@ def test_dry_run_shows_the_setup_commands_with_a_wheel_cache(gcloud, tmp_path):
   lines = done.stdout.splitlines()
   assert [line.split()[:6] for line in lines] == [["+", "gcloud", "compute", "tpus", "tpu-vm", verb]
                                                   for verb in ("scp", "ssh", "ssh")]
-  assert "pip install --no-index --find-links=$HOME/.pod-pretrain-wheels" in lines[1]
+  assert "python3 -m uv venv --seed --python=3.11 $HOME/.pod-pretrain-venv" in lines[1]
+  assert "$HOME/.pod-pretrain-venv/bin/python -m pip install --no-index --find-links=$HOME/.pod-pretrain-wheels" \
+      in lines[1]
   assert "--worker=0" in lines[2] and "gcloud storage cp --no-clobber" in lines[2]

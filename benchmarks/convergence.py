@@ -43,7 +43,6 @@ import json
 import os
 import sys
 import time
-import warnings
 
 from pretrain import cli
 
@@ -258,8 +257,6 @@ def main(argv) -> None:
   bindings, args = parse(argv)
   import jax
   import torch
-  # The trainer enters its mesh the same way; JAX's advice to use jax.set_mesh is the trainer's business.
-  warnings.filterwarnings("ignore", message="`with mesh:` context manager has been deprecated")
   torch.set_num_threads(args.torch_threads)
   device = jax.devices("cpu")[0]
   print(f"{os.cpu_count()} CPUs; torch {torch.__version__} with {args.torch_threads} thread(s), jax {jax.__version__};"

@@ -86,13 +86,8 @@ class OurTrainer:
       self._eval_step = steps.jit_eval_step(self.setup)
 
   def _context(self):
-    import contextlib
-
-    import flax.linen as nn
-    stack = contextlib.ExitStack()
-    stack.enter_context(self.mesh)
-    stack.enter_context(nn.logical_axis_rules(self.setup.rules))
-    return stack
+    from pretrain import partitioning
+    return partitioning.tracing_context(self.mesh, self.setup.rules)  # as pretrain.train traces its steps
 
   @property
   def num_params(self) -> int:

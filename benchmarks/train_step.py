@@ -47,7 +47,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 
 FAMILY_NAMES = ("bert", "albert", "xlnet", "bart")
 DEVICES = ("cpu", "gpu", "tpu")
@@ -342,8 +341,6 @@ def main(args):
   import jax
   import torch
 
-  # The trainer enters its mesh the same way; JAX's advice to use jax.set_mesh is the trainer's business.
-  warnings.filterwarnings("ignore", message="`with mesh:` context manager has been deprecated")
   torch.set_num_threads(os.cpu_count())
   device = jax.devices(args.device)[0]
   versions = f"jax {jax.__version__}, torch {torch.__version__}"

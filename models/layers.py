@@ -44,19 +44,39 @@ def gelu(x: jax.Array, approximate: bool = False) -> jax.Array:
   return nn.gelu(x, approximate=approximate)
 
 
+class Dense(nn.Module):
+  """inputs · kernel (+ bias), contracting `axis` of the inputs, with `features` as the output's trailing axes;
+  the kernel's axes are named `in_axes` + `out_axes`, the bias's `out_axes`.
+
+  Flax's DenseGeneral, which this follows (its params, their initial values and its arithmetic), draws its
+  kernel flattened to 2-D under the full kernel's axis names, which a sharding constraint rejects once a mesh
+  is set; this one makes each param at its full shape.
+  """
+  features: Sequence[int]
+  axis: Sequence[int]
+  in_axes: Sequence[Optional[str]]
+  out_axes: Sequence[Optional[str]]
+  dtype: Dtype
+  use_bias: bool
+  kernel_init: Initializer
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    axis = tuple(sorted(a % inputs.ndim for a in self.axis))
+    kernel = self.param("kernel", with_axes(self.kernel_init, (*self.in_axes, *self.out_axes)),
+                        tuple(inputs.shape[a] for a in axis) + tuple(self.features), jnp.float32)
+    bias = (self.param("bias", with_axes(nn.initializers.zeros, self.out_axes), tuple(self.features), jnp.float32)
+            if self.use_bias else None)
+    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    out = jax.lax.dot_general(inputs, kernel, ((axis, tuple(range(len(axis)))), ((), ())))
+    return out if bias is None else out + bias
+
+
 def dense(features, in_axes, out_axes, *, dtype, name, use_bias=True, axis=-1, kernel_init=default_kernel_init):
-  """A DenseGeneral whose kernel and bias carry logical axis names."""
-  out_axes = tuple(out_axes)
-  return nn.DenseGeneral(
-      features=features,
-      axis=axis,
-      use_bias=use_bias,
-      dtype=dtype,
-      param_dtype=jnp.float32,
-      kernel_init=with_axes(kernel_init, tuple(in_axes) + out_axes),
-      bias_init=with_axes(nn.initializers.zeros, out_axes),
-      name=name,
-  )
+  """A Dense layer whose kernel and bias carry logical axis names."""
+  return Dense(features=tuple(np.atleast_1d(features).tolist()), axis=tuple(np.atleast_1d(axis).tolist()),
+               in_axes=tuple(in_axes), out_axes=tuple(out_axes), dtype=dtype, use_bias=use_bias,
+               kernel_init=kernel_init, name=name)
 
 
 def layer_norm(epsilon: float, dtype: Dtype, name: str) -> nn.LayerNorm:

@@ -5,8 +5,9 @@ mesh `replica × data × fsdp × model`. Data parallelism splits the batch over 
 fsdp; FSDP (ZeRO-3) additionally splits parameters and optimizer state along `embed`; tensor
 parallelism splits heads, FFN and vocabulary over `model`.
 """
+import contextlib
 import math
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -78,6 +79,15 @@ def make_mesh(mesh_shape: Mapping[str, int], devices: Optional[Sequence] = None,
     except (ValueError, NotImplementedError, AssertionError):  # host devices have no physical topology
       array = np.array(devices).reshape(sizes)
   return Mesh(array, MESH_AXES)
+
+
+@contextlib.contextmanager
+def tracing_context(mesh: Mesh, rules) -> Iterator[None]:
+  """What a step is traced and compiled under: the mesh, set with jax.set_mesh, and the logical axis rules.
+  Flax applies activations' sharding constraints only where an abstract mesh is set, which the legacy
+  `with mesh:` does not set; a Pallas kernel needs it too, to run per device under shard_map."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
 
 
 def logical_shardings(logical_specs, mesh: Mesh, rules) -> object:

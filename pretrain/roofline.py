@@ -10,7 +10,6 @@ import dataclasses
 import math
 import re
 import time
-import warnings
 from typing import Callable, Optional
 
 from pretrain.collectives import Collectives, collective_traffic
@@ -155,16 +154,13 @@ def model_flops_per_step(setup) -> float:
 
 def compile_step(setup):
   """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
-  import flax.linen as nn
   import jax
 
   from pretrain import partitioning, steps
   batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=partitioning.batch_sharding(setup.mesh))
            for k, s in setup.batch_shapes.items()}
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh`, as in train(); jax prefers jax.set_mesh
-    with setup.mesh, nn.logical_axis_rules(setup.rules):
-      lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), batch)
+  with partitioning.tracing_context(setup.mesh, setup.rules):  # as train() traces it
+    lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), batch)
   try:
     return lowered.compile()
   except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()

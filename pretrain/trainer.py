@@ -6,7 +6,6 @@ task name and `data_pipelines.input_pipeline`; the state and the jitted steps ar
 import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-import flax.linen as nn
 import jax
 import numpy as np
 import optax
@@ -180,7 +179,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   data = input_pipeline_for_run(family, mixture_or_task_name, task_feature_lengths, batch_size,
                                 partitioning.data_parallel_groups(mesh), seed, data_shards)
   directory.mkdir(parents=True, exist_ok=True)
-  with (lease.held(model_dir, jax.process_index() == 0) as took_over, mesh, nn.logical_axis_rules(setup.rules),
+  with (lease.held(model_dir, jax.process_index() == 0) as took_over, partitioning.tracing_context(mesh, setup.rules),
         profiler, compilation_cache.used(compilation_cache_dir, model_dir) as compiles,
         goodput_events.EventLog(model_dir, write=jax.process_index() == 0) as events):
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)

@@ -43,8 +43,8 @@ class Layout:
     return dict(self.mesh)
 
   def label(self) -> str:
-    axes = " ".join(f"{axis}={size}" for axis, size in self.mesh if size > 1) or "data=1"
-    return f"{axes} mb={self.microbatches} remat={self.remat} {'scan' if self.scan_layers else 'unrolled'}"
+    layers = "scan" if self.scan_layers else "unrolled"
+    return f"{_mesh_label(self.mesh)} mb={self.microbatches} remat={self.remat} {layers}"
 
   def gin_bindings(self, config_name: str) -> List[str]:
     return [f"MESH_SHAPE = {self.mesh_shape}", f"MICROBATCHES = {self.microbatches}",

@@ -165,10 +165,10 @@ def attention_for_device(device) -> str:
   """The fastest attention a device runs exactly: cuDNN's fused kernel on NVIDIA GPUs of compute capability
   8.0 and later (A100, L4, H100, H200), XLA's elsewhere.
 
-  TPUs stay on XLA's for now: Pallas flash attention ('pallas') runs on TPU v4 and later (v3's Mosaic has
-  no bf16 x bf16 -> fp32 matmul), but a Mosaic kernel is not partitioned by XLA, so across a slice it must
-  run under shard_map with the mesh set by jax.set_mesh; until runs and plans set it, 'pallas' is for a
-  single device."""
+  TPUs stay on XLA's for now. Pallas flash attention ('pallas') runs on TPU v4 and later (v3's Mosaic has
+  no bf16 x bf16 -> fp32 matmul), per device under shard_map over the mesh the steps are traced with, and
+  compiles for a slice; but a plan's cost figures for it would be the kernel's own estimate of itself, so
+  'auto' waits for a measurement on a TPU, or a plan that costs the kernel independently."""
   if device.platform in ("gpu", "cuda") and "NVIDIA" in device.device_kind.upper():
     return "cudnn" if float(getattr(device, "compute_capability", 0) or 0) >= 8.0 else "xla"
   return "xla"
@@ -241,11 +241,20 @@ def _pallas_attention(query, key, value, mask: AttentionMask) -> jax.Array:
   if mesh.empty:
     return attend(query, key, value, segments)
   batch_axes, _, heads_axes, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS_KV)
+  # An axis the mesh does not divide (init's one example row) is whole on every device.
+  batch_axes = _if_dividing(batch_axes, query.shape[0], mesh)
+  heads_axes = _if_dividing(heads_axes, query.shape[2], mesh)
   heads_spec = jax.sharding.PartitionSpec(batch_axes, None, heads_axes, None)  # whole rows on every device
   rows_spec = jax.sharding.PartitionSpec(batch_axes, None)
   segment_spec = None if segments is None else flash.SegmentIds(q=rows_spec, kv=rows_spec)
   return jax.shard_map(attend, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec),
                        out_specs=heads_spec, check_vma=False)(query, key, value, segments)
+
+
+def _if_dividing(mesh_axes, size: int, mesh):
+  """`mesh_axes` (a name, names or None) if their devices divide `size`, else None."""
+  names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+  return mesh_axes if size % math.prod(mesh.shape[name] for name in names) == 0 else None
 
 
 class MultiHeadAttention(nn.Module):

@@ -164,3 +164,17 @@ def test_a_model_that_takes_its_vocabulary_size_from_an_encoder_decoder_task_pla
   assert "run: bart," in result.stdout
   total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", result.stdout)
   assert 0 < total < limit
+
+
+def test_pallas_attention_runs_per_device_in_the_step_of_a_v4_slice():
+  """XLA does not partition a Mosaic kernel: traced under the run's mesh (jax.set_mesh), Pallas flash attention
+  runs per device in shard_map, the batch split over `data` and the heads over `model` (init's one-row example
+  whole). Compiled for a v4-8, the step holds the kernel, forward and backward."""
+  from pretrain import roofline
+  with mock.patch.object(roofline, "step_figures", wraps=roofline.step_figures) as figures:
+    result = run_plan("--topology=v4:2x2x1", "--gin.MESH_SHAPE={'data': 4, 'model': 2}",
+                      "--gin.bert.BertConfig.vocab_size=2048", "--gin.bert.BertConfig.attention_dropout=0.0",
+                      "--gin.bert.BertConfig.attention_implementation='pallas'")
+  assert result.returncode == 0, result.stderr[-3000:]
+  program = figures.call_args.args[0].as_text()
+  assert program.count('custom_call_target="tpu_custom_call"') >= 2 * 2, program[:3000]  # 2 layers, fwd + bwd

@@ -289,7 +289,7 @@ def compare(name: str, size_name: str, args, device) -> list:
   """Our variants and HF's, timed interleaved; a row of figures for each."""
   import numpy as np
 
-  from pretrain import plan, steps
+  from pretrain import roofline, steps
   family, lengths, batch_size = family_and_lengths(name, size_name, args.device, args.attention_dropout)
   numpy_batch = random_batch(family, batch_size, lengths, np.random.default_rng(0))
   requested = args.attention if hasattr(family.config, "attention_implementation") else ["xla"]
@@ -315,8 +315,8 @@ def compare(name: str, size_name: str, args, device) -> list:
   if not all(math.isfinite(x) for x in losses):
     raise RuntimeError(f"{name} {size_name}: a loss is not finite: {[s.losses for s in sides]}")
   tokens = steps.tokens_per_batch(batch_size, lengths)
-  peak = plan.peak_flops_per_device(device)
-  flops = plan.model_flops_per_step(ours[0].trainer.setup) if peak else None
+  peak = roofline.peak_flops_per_device(device)
+  flops = roofline.model_flops_per_step(ours[0].trainer.setup) if peak else None
   theirs_s = statistics.median(theirs.times)
   rows = []
   for side in sides:

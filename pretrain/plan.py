@@ -34,10 +34,7 @@ import time
 
 from pretrain import cli, plan_search, roofline
 from pretrain.errors import ConfigError
-from pretrain.roofline import (GIB, HEADROOM_WARNING, STEP_ARGUMENTS, DoesNotFit, Plan, accelerator_type,
-                               model_flops_per_step, peak_flops_per_device)
-
-__all__ = ["STEP_ARGUMENTS", "model_flops_per_step", "peak_flops_per_device"]  # also read from here by others
+from pretrain.roofline import GIB, HEADROOM_WARNING, DoesNotFit, Plan, accelerator_type, model_flops_per_step
 
 DEFAULT_TOPOLOGY = "v3:16x16"
 
@@ -182,7 +179,7 @@ def main(argv) -> None:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type(flags["topology"]))
   cli.parse_gin(files, bindings)
   from pretrain import trainer
-  arguments = cli.bound_arguments(trainer.train, STEP_ARGUMENTS)
+  arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
   num_slices = flags["num_slices"] or arguments["num_slices"]
   show = lambda line: print(line, flush=True)  # noqa: E731
   if flags["search"]:

@@ -2,8 +2,8 @@
 MFU, and the share of the time the train loop waited for its input.
 
 MFU (model FLOPs utilisation) = the model's FLOPs per step / (step time × devices × peak FLOP/s per
-device). The model's FLOPs are `plan.model_flops_per_step` (matmuls of the forward and backward pass,
-without remat's recomputation), the peak is `plan.peak_flops_per_device`; where the peak is unknown
+device). The model's FLOPs are `roofline.model_flops_per_step` (matmuls of the forward and backward pass,
+without remat's recomputation), the peak is `roofline.peak_flops_per_device`; where the peak is unknown
 (CPU, an unlisted GPU) there is no MFU.
 """
 import contextlib
@@ -11,7 +11,7 @@ import time
 from typing import Dict, Optional
 
 from data_pipelines import tasks
-from pretrain import plan
+from pretrain import roofline
 
 INPUT_WAIT_WARNING = 0.05  # above this share of the time, the input rather than the devices may set the pace
 # What makes a host's input faster depends on how it reads: seqio data shards, or one pipeline over the
@@ -40,9 +40,9 @@ class Throughput:
   def __init__(self, setup, batch_size: int, tokens_per_step: int, start_step: int):
     self.batch_size, self.tokens_per_step = batch_size, tokens_per_step
     self.devices = setup.mesh.size
-    self.peak_flops_per_device = plan.peak_flops_per_device(setup.mesh.devices.flat[0])
+    self.peak_flops_per_device = roofline.peak_flops_per_device(setup.mesh.devices.flat[0])
     # Traced once (no compile), and only where there is a peak to compare it with.
-    self.model_flops_per_step = plan.model_flops_per_step(setup) if self.peak_flops_per_device else None
+    self.model_flops_per_step = roofline.model_flops_per_step(setup) if self.peak_flops_per_device else None
     self._input_over_threshold = False
     reads_row_streams = any(tasks.OBJECTIVES[objective].stream_reading for objective in setup.family.objectives)
     self._input_advice = ROW_STREAMS_ADVICE if reads_row_streams else SHARDS_ADVICE

@@ -51,7 +51,7 @@ def train_variants() -> dict:
   import gin
   import jax
 
-  from pretrain import cli, partitioning, plan, run_files, steps, trainer
+  from pretrain import cli, partitioning, roofline, run_files, steps, trainer
   losses, initial = {}, {}
   for name, bindings in VARIANTS.items():
     gin.clear_config()
@@ -60,7 +60,7 @@ def train_variants() -> dict:
                           "LEARNING_RATE = 1e-2", "WARMUP_STEPS = 1",  # steps that change the losses visibly
                           f"TASK_FEATURE_LENGTHS = {{'input_ids': {LENGTH}, 'masked_positions': {PREDICTIONS}}}",
                           f"BATCH_SIZE = {BATCH}", "MESH_SHAPE = {'data': 2, 'model': 2}", *bindings])
-    args = cli.bound_arguments(trainer.train, plan.STEP_ARGUMENTS)
+    args = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
     mesh = partitioning.make_mesh(args["mesh_shape"])
     family = args["family"].fit_to_data(VOCAB, "bert_mlm_nsp", args["task_feature_lengths"])
     setup = steps.make_setup(family, args["task_feature_lengths"], args["batch_size"], mesh, args["optimizer"],

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pretrain import plan, throughput
+from pretrain import roofline, throughput
 from pretrain.families.bart import BartFamily
 from pretrain.families.bert import BertFamily
 from pretrain.families.xlnet import XLNetFamily
@@ -31,12 +31,12 @@ def device(kind, num_cores=1):
     ("Tesla V100-SXM2-16GB", 80, 125e12),
 ])
 def test_peak_flops_per_device(kind, num_cores, peak):
-  assert plan.peak_flops_per_device(device(kind, num_cores)) == pytest.approx(peak)
+  assert roofline.peak_flops_per_device(device(kind, num_cores)) == pytest.approx(peak)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "TPU v4 lite", "NVIDIA L40S", "NVIDIA A10G", "TPU v99"])
 def test_an_unknown_device_has_no_peak(kind):
-  assert plan.peak_flops_per_device(device(kind)) is None
+  assert roofline.peak_flops_per_device(device(kind)) is None
 
 
 def test_mfu_is_model_flops_over_the_devices_peak():
@@ -57,7 +57,7 @@ def eight_devices(monkeypatch, kind, model_flops_per_step, family=None):
   test turns."""
   clock = Clock()
   monkeypatch.setattr(throughput.time, "perf_counter", clock)
-  monkeypatch.setattr(plan, "model_flops_per_step", model_flops_per_step)
+  monkeypatch.setattr(roofline, "model_flops_per_step", model_flops_per_step)
   mesh = SimpleNamespace(size=8, devices=np.array([device(kind)] * 8))
   setup = SimpleNamespace(mesh=mesh, family=family or BertFamily())
   return throughput.Throughput(setup, batch_size=32, tokens_per_step=4096, start_step=10), clock

@@ -13,6 +13,8 @@ from test_plan import run_plan
 
 from pretrain import plan_search, roofline
 
+pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
+
 MIB = 2 ** 20
 TINY = ("--gin.bert.BertConfig.vocab_size=2048", "--gin.BATCH_SIZE=16")
 

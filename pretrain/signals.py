@@ -27,9 +27,10 @@ import threading
 import time
 from typing import Callable, List, Optional
 
-from pretrain.errors import Interrupted
+from pretrain.errors import ConfigError, Interrupted, TrainingStopped
 
 GRACE_SECONDS = 3.0  # for the main thread to unwind before the watchdog ends the process for it
+PEER_STOP_SECONDS = 5.0  # for the signal that stopped a peer to reach this process too (`stop_behind_failure`)
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
 _STOP_WATCHING = 0  # written to the wakeup pipe when the run ends; no signal has this number
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -123,6 +124,19 @@ class _Run:
         self.decided.set()
         deadline = time.monotonic() + GRACE_SECONDS
 
+  def stop_behind_failure(self) -> Optional[Interrupted]:
+    """The stop that a failure in the start-up follows, if any. In a job of several processes, a peer stopped
+    by a signal breaks this process's collective (its connection reset) a moment before the launcher passes
+    the same signal on here: that is waited for, briefly, rather than shown as the failure's traceback."""
+    if self.training:
+      return None
+    jax = sys.modules.get("jax")
+    if self.stop is None and jax is not None and jax.process_count() > 1:
+      self.decided.wait(PEER_STOP_SECONDS)
+    if self.stop is not None:
+      self.raised = True  # the main thread's handler must not raise it again
+    return self.stop
+
   def exit_now(self, code: int) -> None:
     if self.unwound.is_set():  # the main thread got out after all: it ends the process itself
       return
@@ -173,6 +187,13 @@ def handled(fn):
     hold_until_training()
     try:
       return fn(*args, **kwargs)
+    except (ConfigError, TrainingStopped):
+      raise  # the run's own one-line stops
+    except Exception:
+      stop = _current.stop_behind_failure()
+      if stop is None:
+        raise
+      raise stop from None
     finally:
       _current.end()
       _current = None

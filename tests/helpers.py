@@ -21,8 +21,8 @@ def module_command(module, *args):
 
 
 def host_devices(count):
-  """Environment that makes XLA's CPU backend show `count` devices."""
-  return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={count}"}
+  """Environment that makes XLA's CPU backend show `count` devices (the other XLA flags kept)."""
+  return {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()}
 
 
 def _env(extra):

@@ -260,6 +260,7 @@ def denoising_features(sentences, seed, *, encoder_length: int, decoder_length: 
 
 
 @seqio.map_over_dataset(num_seeds=1)
+@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph's conversion took seconds of each start
 def denoising_preprocessor(features, seed, sequence_length, *, sentences_key: str = "sentences", **kwargs):
   """seqio preprocessor: features[sentences_key] -> the four encoder-decoder features, with lengths
   sequence_length['encoder_input_ids'] and ['decoder_input_ids']; kwargs are denoising_features'

@@ -122,6 +122,7 @@ def mask_tokens(input_ids, maskable, word_start, seed, *, max_predictions: int, 
 
 
 @seqio.map_over_dataset(num_seeds=1)
+@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph's conversion took seconds of each start
 def _mask_pair(example, seed, *, length, max_predictions, word_start, cls_id, sep_id, label_key, **mask_kwargs):
   a, b = example["tokens_a"], example["tokens_b"]
   input_ids = tf.concat([[cls_id], a, [sep_id], b, [sep_id]], 0)

@@ -120,6 +120,7 @@ def _same_document(a: tf.RaggedTensor, b: tf.RaggedTensor) -> tf.Tensor:
 
 
 @seqio.map_over_dataset(num_seeds=1)
+@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph's conversion took seconds of each start
 def _attach_plan(example, seed, **plan_kwargs):
   sentences, other = example["sentences"], example["other"]
   plan = plan_pairs(tf.cast(sentences.row_lengths(), tf.int32), tf.cast(other.row_lengths(), tf.int32), seed,
@@ -167,6 +168,7 @@ def sentence_pairs(dataset: tf.data.Dataset, sequence_length, *, mode: str, shor
     documents = _with_previous_document(dataset)
   documents = _attach_plan(documents, max_num_tokens=max_num_tokens, short_seq_prob=short_seq_prob, mode=mode)
 
+  @tf.autograph.experimental.do_not_convert
   def pairs_of(example):
     sentences, other = example["sentences"], example["other"]
 

@@ -16,6 +16,7 @@ Differences from the reference, on purpose:
 - <sep>/<cls> are treated like unmasked tokens (visible to all, see no targets); in the reference
   they take part in the factorization order.
 """
+import numpy as np
 import tensorflow as tf
 
 from data_pipelines.objectives.mlm import choose_masked_positions, ngram_length_probs
@@ -271,6 +272,9 @@ def permutation_features(input_ids, segment_ids, backward, seed, *, reuse_len: i
   }
 
 
+_WINDOW_EXAMPLES = {}  # settings -> the traced `example` of window_examples
+
+
 def window_examples(*, seq_len: int, reuse_len: int, perm_size: int, num_predict: int, word_start, sep_id: int,
                     cls_id: int, mask_alpha: int = 6, mask_beta: int = 1, max_ngram: int = 5):
   """`example(window, other, backward, seed)`: one row's features at one step from its stream windows
@@ -279,12 +283,24 @@ def window_examples(*, seq_len: int, reuse_len: int, perm_size: int, num_predict
   window / other: {'ids', 'sentence_start'} of `window_length(seq_len, reuse_len)` stream tokens, as the
   row reads them; backward: bool scalar, the row reads its text right to left. word_start: bool
   [vocab_size], True for pieces starting with "▁" and for special tokens.
+
+  A tf.function, made once per process for each settings: its graph (seconds to build) is traced once and
+  then shared by every pipeline that maps it (training's, evaluation's, a resumed run's).
   """
   check_lengths(seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict)
   _check(mask_alpha >= mask_beta >= 1, f"mask_alpha={mask_alpha}, mask_beta={mask_beta}: need alpha >= beta >= 1")
   _check(max_ngram >= 1, f"max_ngram={max_ngram}: must be >= 1")
-  word_start = tf.constant(word_start, tf.bool)
+  settings = dict(seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict, sep_id=sep_id,
+                  cls_id=cls_id, mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
+  key = (tuple(sorted(settings.items())), np.asarray(word_start, bool).tobytes())
+  if key not in _WINDOW_EXAMPLES:
+    _WINDOW_EXAMPLES[key] = tf.function(_window_example(word_start=tf.constant(word_start, tf.bool), **settings),
+                                        autograph=False)
+  return _WINDOW_EXAMPLES[key]
 
+
+def _window_example(*, seq_len: int, reuse_len: int, perm_size: int, num_predict: int, word_start, sep_id: int,
+                    cls_id: int, mask_alpha: int, mask_beta: int, max_ngram: int):
   def example(window, other, backward, seed):
     layout_seed, features_seed = split_seed(seed, 2)
     laid = layout_window(window, other, layout_seed, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id,

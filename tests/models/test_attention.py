@@ -66,8 +66,11 @@ def test_pallas_flash_attention_matches_xla_values_and_gradients(case):
   def loss(implementation):
     return lambda q, k, v: (xla_attention(q, k, v, mask, implementation) * weights).sum()
 
+  # Jitted and waited for: the interpreter runs JAX ops in callbacks from inside the program, and eager ops
+  # dispatched meanwhile (an eager backward pass) can queue behind it and deadlock.
   with pltpu.force_tpu_interpret_mode():
-    fused_value, fused_grads = jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2))(q, k, v)
+    fused_value, fused_grads = jax.block_until_ready(
+        jax.jit(jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v))
   value, grads = jax.value_and_grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
   np.testing.assert_allclose(fused_value, value, rtol=1e-4)
   for fused_grad, grad in zip(fused_grads, grads):

@@ -47,11 +47,24 @@ def sentence_blocks(sentences: tf.RaggedTensor, max_tokens) -> tf.RaggedTensor:
   return tf.RaggedTensor.from_value_rowids(pieces, block_of_piece)
 
 
+def concatenate(dataset: tf.data.Dataset, documents_per_stream: int) -> tf.data.Dataset:
+  """{'sentences'} documents -> one {'sentences'} of a single row per `documents_per_stream` consecutive
+  documents: their ids joined in order (T5's reduce_concat_tokens), so that short documents fill examples."""
+
+  @tf.autograph.experimental.do_not_convert
+  def join(batch):
+    ids = batch["sentences"].flat_values
+    return {"sentences": tf.RaggedTensor.from_row_lengths(ids, [tf.size(ids, out_type=tf.int64)])}
+
+  return dataset.ragged_batch(documents_per_stream).map(join, num_parallel_calls=tf.data.AUTOTUNE)
+
+
 def split_into_blocks(dataset: tf.data.Dataset, max_tokens, whole_sentences: bool = True) -> tf.data.Dataset:
   """{'sentences'} documents -> one {'sentences'} example per block of at most max_tokens ids, so
   that no text of a long document is left out. Without whole_sentences a document is one stream
   of ids, cut every max_tokens (T5)."""
 
+  @tf.autograph.experimental.do_not_convert
   def blocks(example):
     sentences = example["sentences"]
     if not whole_sentences:

@@ -84,13 +84,18 @@ def max_tokens_for_lengths(encoder_length: int, decoder_length: int, noise_densi
   return tf.reduce_sum(leading_fits) + 1  # lengths 1..n all fit
 
 
+DOCUMENTS_PER_STREAM = 128  # T5's span_corruption joins 128 documents (reduce_concat_tokens' batch_size)
+
+
 def span_corruption_blocks(dataset: tf.data.Dataset, sequence_length, *, noise_density: float = 0.15,
                            mean_noise_span_length: float = 3.0) -> tf.data.Dataset:
-  """seqio preprocessor: each document's ids -> consecutive blocks that each fit one example (T5's
-  split_tokens), so no text of a long document is left out."""
+  """seqio preprocessor: the ids of DOCUMENTS_PER_STREAM consecutive documents joined, then cut into
+  consecutive blocks that each fit one example (T5's split_tokens): short documents fill whole examples,
+  and no text of a long one is left out."""
   length = max_tokens_for_lengths(sequence_length["encoder_input_ids"], sequence_length["decoder_input_ids"],
                                   noise_density, mean_noise_span_length)
-  return documents.split_into_blocks(dataset, length, whole_sentences=False)
+  return documents.split_into_blocks(documents.concatenate(dataset, DOCUMENTS_PER_STREAM), length,
+                                     whole_sentences=False)
 
 
 def span_corruption_features(tokens, seed, *, encoder_length: int, decoder_length: int, eos_id: int,
@@ -106,6 +111,7 @@ def span_corruption_features(tokens, seed, *, encoder_length: int, decoder_lengt
 
 
 @seqio.map_over_dataset(num_seeds=1)
+@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph's conversion took seconds of each start
 def span_corruption_preprocessor(features, seed, sequence_length, *, tokens_key: str = "targets", **kwargs):
   """seqio preprocessor: features[tokens_key] -> the four encoder-decoder features, with lengths
   sequence_length['encoder_input_ids'] and ['decoder_input_ids']; kwargs are span_corruption_features'

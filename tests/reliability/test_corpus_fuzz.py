@@ -1,9 +1,11 @@
-"""Generated corpora through every objective: each makes well-formed examples or stops with one
-`pretrain.train: error:` line, within a time bound, with no traceback and no hang.
+"""Generated corpora through every objective: each makes well-formed examples on which a tiny model of the
+objective's family takes a training step with a finite loss, or stops with one `pretrain.train: error:` line,
+within a time bound, with no traceback and no hang.
 
 In-process and small: one text file rewritten for each generated corpus, read by one task per objective
-whose example pipelines are built once (a new iterator reads the file's new bytes). The profile is fixed
-(derandomized, a fixed number of cases) so CI runs the same corpora every time."""
+whose example pipelines are built once (a new iterator reads the file's new bytes), and one compiled train
+step per objective. The profile is fixed (derandomized, a fixed number of cases) so CI runs the same corpora
+every time."""
 import time
 
 import numpy as np
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from data_pipelines import features, input_pipeline, sources, tasks
 from pretrain.errors import one_line
 
-CASES = 2  # each case runs five objectives (XLNet tokenizes the corpus again): about 10 s on 2 CPUs
+CASES = 3  # each case runs five objectives (XLNet tokenizes the corpus again): about 10 s on 2 CPUs
 SECONDS = 60  # a bound that only a hang passes: one objective's case takes 1 to 5 s
 TEXT_OBJECTIVES = ("bert_mlm_nsp", "albert_mlm_sop", "bart_denoising", "t5_span_corruption")
 
@@ -48,7 +50,7 @@ def readers(tmp_path_factory, demo_paths):
   for objective in (*TEXT_OBJECTIVES, "xlnet_plm"):
     name = tasks.register_task(f"fuzz_{objective}", sources.TextDocumentSource({"train": str(path)}), objective,
                                demo_paths["vocab_model"])
-    task, lengths = tasks.get_task_or_mixture(name), dict(features.schema(objective).default_lengths)
+    task, lengths = tasks.get_task_or_mixture(name), lengths_of(objective)
     if objective == "xlnet_plm":  # its examples come from token files, made again for each corpus
       made[objective] = (lambda t, lengths: lambda: list(input_pipeline.task_examples(
           t, lengths, "train", say=lambda _: None).take(2).as_numpy_iterator()))(task, lengths)
@@ -60,6 +62,64 @@ def readers(tmp_path_factory, demo_paths):
         return list(dataset.as_numpy_iterator())
       made[objective] = read
   return path, made
+
+
+def tiny_families():
+  """Objective -> a one-layer model of the family that trains on it (vocabulary size from the data)."""
+  from models.albert import AlbertConfig
+  from models.bart import BartConfig
+  from models.bert import BertConfig
+  from models.xlnet import XLNetConfig
+  from pretrain.families.albert import AlbertFamily
+  from pretrain.families.bart import BartFamily
+  from pretrain.families.bert import BertFamily
+  from pretrain.families.xlnet import XLNetFamily
+  bert = BertConfig(vocab_size=None, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32)
+  albert = AlbertConfig(vocab_size=None, embedding_size=8, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32)
+  bart = BartFamily(BartConfig(vocab_size=None, d_model=16, encoder_layers=1, decoder_layers=1, num_heads=2,
+                               ffn_dim=32))
+  xlnet = XLNetConfig(vocab_size=None, d_model=16, n_layer=1, n_head=2, d_head=8, d_inner=32, mem_len=16)
+  return {"bert_mlm_nsp": BertFamily(bert), "albert_mlm_sop": AlbertFamily(albert), "bart_denoising": bart,
+          "t5_span_corruption": bart, "xlnet_plm": XLNetFamily(xlnet)}
+
+
+def lengths_of(objective) -> dict:
+  """The lengths an objective's examples are read at: its small defaults, T5's at BART's (one BART model
+  trains on both)."""
+  return dict(features.schema("bart_denoising" if objective == "t5_span_corruption" else objective).default_lengths)
+
+
+@pytest.fixture(scope="module")
+def train_steps(demo_vocab):
+  """Objective -> a function taking a batch of its examples one training step from fresh weights, returning
+  the step's metrics: one program per model (initialisation and step compiled together)."""
+  import jax
+
+  from pretrain import optimizers, partitioning, steps
+  mesh = partitioning.make_mesh({"data": 1})
+  vocab_size = demo_vocab.vocab_size + max(o.extra_ids for o in tasks.OBJECTIVES.values())  # room for T5's sentinels
+  schedule = lambda step: 1e-3
+  programs, made = {}, {}
+  for objective, family in tiny_families().items():
+    lengths = lengths_of(objective)
+    key = (family, tuple(sorted(lengths.items())))
+    if key not in programs:
+      setup = steps.make_setup(family.fit_to_data(vocab_size, objective, lengths), lengths, 2, mesh,
+                               optimizers.make_optimizer(schedule), schedule)
+      programs[key] = jax.jit(lambda batch, setup=setup: steps.train_step(
+          setup, setup.init_state(jax.random.PRNGKey(0)), batch)[1])
+
+    def first_step(batch, program=programs[key]):
+      with partitioning.tracing_context(mesh, partitioning.AXIS_RULES):
+        return jax.device_get(program(partitioning.global_batch(batch, mesh)))
+    made[objective] = first_step
+  return made
+
+
+def as_batch(objective, examples) -> dict:
+  """Two rows of the model's features (the one example twice where the corpus made one)."""
+  rows = (examples * 2)[:2]
+  return {name: np.stack([np.asarray(row[name]) for row in rows]) for name in features.schema(objective).features}
 
 
 def assert_well_formed(objective, examples, vocab_size):
@@ -76,7 +136,7 @@ def assert_well_formed(objective, examples, vocab_size):
 @settings(max_examples=CASES, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(corpus=corpora)
-def test_every_objective_makes_examples_or_stops_with_one_line(corpus, readers, demo_vocab):
+def test_every_objective_trains_on_its_examples_or_stops_with_one_line(corpus, readers, train_steps, demo_vocab):
   path, read = readers
   path.write_bytes(corpus_bytes(corpus))
   for objective, read_examples in read.items():
@@ -89,4 +149,7 @@ def test_every_objective_makes_examples_or_stops_with_one_line(corpus, readers, 
     else:
       vocab_size = demo_vocab.vocab_size + tasks.OBJECTIVES[objective].extra_ids
       assert_well_formed(objective, examples, vocab_size)
+      metrics = train_steps[objective](as_batch(objective, examples))
+      assert np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"]), (objective, metrics)
+      assert metrics["skipped_steps"] == 0, (objective, metrics)
     assert time.monotonic() - start < SECONDS, objective

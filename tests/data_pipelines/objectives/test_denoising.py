@@ -401,9 +401,9 @@ def test_the_tasks_use_every_token_of_long_documents(objective, demo_paths):
   task = tasks.get_task_or_mixture(f"demo_{objective}")
   vocabulary = task.output_features["encoder_input_ids"].vocabulary
   source = sources.TextDocumentSource({"validation": demo_paths["validation"]})
-  document_tokens = [t for doc in documents.tokenize_sentences(
-      source.get_dataset("validation", shuffle=False), task.output_features).as_numpy_iterator()
-                     for sentence in doc["sentences"] for t in sentence]
+  document_ids = [[t for sentence in doc["sentences"] for t in sentence] for doc in documents.tokenize_sentences(
+      source.get_dataset("validation", shuffle=False), task.output_features).as_numpy_iterator()]
+  document_tokens = [t for ids in document_ids for t in ids]
   lengths = {"encoder_input_ids": 64, "decoder_input_ids": 64 if objective == "bart_denoising" else 16}
   examples = list(task.get_dataset(lengths, split="validation", shuffle=False, num_epochs=1).as_numpy_iterator())
   last_token_id = vocabulary.vocab_size - vocabulary.extra_ids - 1  # T5's sentinels are the extra ids above
@@ -418,6 +418,13 @@ def test_the_tasks_use_every_token_of_long_documents(objective, demo_paths):
   assert len(examples) > 100
   if objective == "t5_span_corruption":
     assert found == document_tokens
+    # As T5's reduce_concat_tokens + split_tokens: each run of DOCUMENTS_PER_STREAM documents is one stream
+    # cut into full examples, only its last one shorter; one example per document would make more.
+    block = int(span_corruption.max_tokens_for_lengths(lengths["encoder_input_ids"], lengths["decoder_input_ids"]))
+    streams = [document_ids[i:i + span_corruption.DOCUMENTS_PER_STREAM]
+               for i in range(0, len(document_ids), span_corruption.DOCUMENTS_PER_STREAM)]
+    assert len(examples) == sum(-(-sum(map(len, stream)) // block) for stream in streams)
+    assert len(examples) < sum(-(-len(ids) // block) for ids in document_ids)
     return
   # BART, as fairseq, drops blocks of one token (a document's last sentence, or the end of one cut into
   # blocks): what remains is the documents' tokens in order, a few lone ones short.

@@ -294,8 +294,9 @@ def window_examples(*, seq_len: int, reuse_len: int, perm_size: int, num_predict
                   cls_id=cls_id, mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
   key = (tuple(sorted(settings.items())), np.asarray(word_start, bool).tobytes())
   if key not in _WINDOW_EXAMPLES:
-    _WINDOW_EXAMPLES[key] = tf.function(_window_example(word_start=tf.constant(word_start, tf.bool), **settings),
-                                        autograph=False)
+    with tf.init_scope():  # an eager constant, whatever graph is being built: the function outlives it
+      table = tf.constant(word_start, tf.bool)
+    _WINDOW_EXAMPLES[key] = tf.function(_window_example(word_start=table, **settings), autograph=False)
   return _WINDOW_EXAMPLES[key]
 
 

@@ -14,7 +14,9 @@ damaged array data is caught rather than trained on.
 import dataclasses
 import logging
 import os
+import sys
 import time
+import traceback
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -32,20 +34,48 @@ from pretrain.errors import ConfigError, TrainingStopped, one_line
 class _TracebacksOfHandledFaults(logging.Filter):
   """orbax logs the traceback of a save or restore that failed in one of its threads, then raises the error
   to us, where every such fault is handled (`Saver`, `restore`: one line) or, if not, raised on with its
-  own traceback. So orbax's copy goes to the debug log, shown with POD_PRETRAIN_DEBUG=1."""
+  own traceback; asyncio logs the failed reads of a restore again as their futures are collected ("exception
+  was never retrieved"). So those copies go to the debug log, shown with POD_PRETRAIN_DEBUG=1."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.exc_info and "orbax" in record.pathname) or bool(os.environ.get("POD_PRETRAIN_DEBUG"))
+    if not record.exc_info or os.environ.get("POD_PRETRAIN_DEBUG"):
+      return True
+    frames = traceback.extract_tb(record.exc_info[2])
+    return not ("orbax" in record.pathname or any("orbax" in frame.filename for frame in frames))
 
 
 _TRACEBACKS_OF_HANDLED_FAULTS = _TracebacksOfHandledFaults()
 
 
+class _UnraisablesOfFailedReads:
+  """When one read of a restore fails, orbax abandons the others (the restore raises, handled by `restore`'s
+  callers): as they are collected, their coroutines (`_read_array_index_and_device_put`) raise, and TensorStore
+  calls back into orbax's event loop, closed by then ("Event loop is closed"). Python's unraisable hook would
+  print a traceback of each, dozens after one set-aside; this one passes on every other unraisable exception."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, unraisable) -> None:
+    code = getattr(unraisable.object, "cr_code", None)
+    frames = [frame.name for frame in traceback.extract_tb(unraisable.exc_traceback)]
+    left_by_orbax = code is not None and "orbax" in code.co_filename
+    closed_loop = isinstance(unraisable.exc_value, RuntimeError) and "call_soon_threadsafe" in frames
+    if not (left_by_orbax or closed_loop):
+      self.previous(unraisable)
+
+
 def _hide_tracebacks_of_handled_faults() -> None:
-  """Where a manager is made: warning filters set at import may be reset (pytest resets them per test)."""
-  logging.getLogger("absl").addFilter(_TRACEBACKS_OF_HANDLED_FAULTS)  # absl.logging, which orbax logs through
-  if not os.environ.get("POD_PRETRAIN_DEBUG"):  # the parts of a save that failed before orbax awaited them
-    warnings.filterwarnings("ignore", r"coroutine '\w+CheckpointHandler\.async_save' was never awaited", RuntimeWarning)
+  """Where a manager is made: warning filters set at import may be reset (pytest resets them per test), and the
+  unraisable hook replaced."""
+  for logger in ("absl", "asyncio"):  # absl.logging, which orbax logs through
+    logging.getLogger(logger).addFilter(_TRACEBACKS_OF_HANDLED_FAULTS)
+  if os.environ.get("POD_PRETRAIN_DEBUG"):
+    return
+  # The parts of a save that failed before orbax awaited them.
+  warnings.filterwarnings("ignore", r"coroutine '\w+CheckpointHandler\.async_save' was never awaited", RuntimeWarning)
+  if not isinstance(sys.unraisablehook, _UnraisablesOfFailedReads):
+    sys.unraisablehook = _UnraisablesOfFailedReads(sys.unraisablehook)
 
 
 class DataIteratorHandler(ocp.CheckpointHandler):

@@ -1,6 +1,8 @@
 """Export to HuggingFace and import back: a trained checkpoint becomes a transformers model and
 tokenizer that agree with ours, the round trip is bit-exact, training continues from imported
 weights, and bad input fails with one line and leaves no output behind."""
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -16,7 +18,7 @@ from safetensors.torch import load_file
 
 from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, start_module, train
 from models import layers
-from pretrain import checkpoints, export, import_hf, registry
+from pretrain import checkpoints, cli, export, import_hf, registry
 from pretrain.hf_mappings import bart as bart_mapping
 from pretrain.hf_mappings.common import flatten_params
 
@@ -203,11 +205,23 @@ BAD_INPUTS = {  # case -> (program, words of its one-line error)
     "output_not_empty": ("pretrain.export", "is not empty"),
     "vocab_too_large": ("pretrain.export", "more than the model's vocab_size=100"),
     "unsupported_hf_model": ("pretrain.import_hf", "model_type='gpt2'")}
+IN_OWN_PROCESS = ("no_checkpoint", "unsupported_hf_model")  # one per program: its flags, one line and exit code
+
+
+def exported_in_this_process(arguments):
+  """(stderr, exit code) of pretrain.export with these `--flag=value` arguments, run through cli.run as its main is."""
+  flags = dict(argument.split("=", 1) for argument in arguments)
+  step = int(flags["--step"]) if "--step" in flags else None
+  stderr = io.StringIO()
+  with contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exited:
+    cli.run("pretrain.export", lambda: export.export(flags["--model_dir"], flags["--output_dir"], step))
+  return stderr.getvalue(), exited.value.code
 
 
 @pytest.fixture(scope="module")
 def bad_runs(bert_dir, tmp_path_factory, demo_paths):
-  """Runs every bad input at once, each in its own process: ({case: (stderr, exit code)}, folder, its listing)."""
+  """Runs every bad input: ({case: (stderr, exit code)}, folder, its listing). IN_OWN_PROCESS run as programs, in
+  parallel; the other export cases in this process meanwhile."""
   root = tmp_path_factory.mktemp("bad")
   (root / "empty" / "checkpoints").mkdir(parents=True)
   (root / "taken").mkdir()
@@ -227,8 +241,9 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
           "output_not_empty": [f"--model_dir={bert_dir}", output("taken")],
           "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"]}
   before = sorted(os.listdir(root))
-  processes = {case: start_module(BAD_INPUTS[case][0], *arguments) for case, arguments in args.items()}
-  results = {case: (p.communicate(timeout=600)[1], p.returncode) for case, p in processes.items()}
+  processes = {case: start_module(BAD_INPUTS[case][0], *args[case]) for case in IN_OWN_PROCESS}
+  results = {case: exported_in_this_process(arguments) for case, arguments in args.items() if case not in processes}
+  results.update({case: (p.communicate(timeout=600)[1], p.returncode) for case, p in processes.items()})
   return results, root, before
 
 

@@ -13,7 +13,7 @@ import seqio
 import tensorflow as tf
 from scipy import stats
 
-from helpers import assert_rate, map_examples, seeds
+from helpers import assert_rate, map_examples, nested_lists, seeds
 from data_pipelines.objectives import denoising, documents, span_corruption
 
 MASK, EOS, BOS = 6, 1, 3
@@ -145,7 +145,7 @@ def test_sentence_permutation_is_uniform(num_sentences):
   docs = sentence_docs(num_sentences, 2400, np.random.default_rng(num_sentences))
   outputs = map_examples(lambda e: denoising.permute_sentences(e["doc"], e["seed"]),
                          {"doc": docs, "seed": seeds(2400)})
-  for original, permuted in zip(docs.to_list(), outputs):
+  for original, permuted in zip(nested_lists(docs), outputs):
     assert sorted(map(list, permuted)) == sorted(original)  # same multiset of sentences
   orders = sentence_orders(outputs)
   identity = tuple(range(num_sentences))
@@ -379,7 +379,7 @@ def test_sentence_blocks_keep_every_token_in_order_each_block_as_full_as_whole_s
     lengths = rng.integers(1, 40, rng.integers(1, 12))
     starts = np.cumsum(lengths) - lengths
     document = tf.RaggedTensor.from_row_lengths(tf.range(int(lengths.sum())), lengths)
-    blocks = sentence_blocks(document, tf.constant(max_tokens)).to_list()
+    blocks = nested_lists(sentence_blocks(document, tf.constant(max_tokens)))
     assert [t for block in blocks for piece in block for t in piece] == list(range(int(lengths.sum())))
     sizes = [sum(map(len, block)) for block in blocks]
     assert max(sizes) <= max_tokens

@@ -14,6 +14,8 @@ import pytest
 import tensorflow as tf
 from scipy import stats
 
+from helpers import map_examples, seeds
+
 from data_pipelines import token_files
 from data_pipelines.objectives import permutation
 from data_pipelines.row_streams import RowStreams
@@ -246,12 +248,11 @@ def test_real_xlnet_sizes(tmp_path):
 
 def span_masks(segments, alpha, beta):
   """sample_spans over each segment (no budget limit), in tf.data."""
-  def sample(tokens, seed):
-    return permutation.sample_spans(tokens, seed, goal=tf.size(tokens), word_start=tf.constant(WORD_START),
+  def sample(segment):
+    tokens = segment["tokens"]
+    return permutation.sample_spans(tokens, segment["seed"], goal=tf.size(tokens), word_start=tf.constant(WORD_START),
                                     sep_id=SEP, cls_id=CLS, mask_alpha=alpha, mask_beta=beta, max_ngram=5)
-  seeds = np.stack([np.arange(len(segments)), np.full(len(segments), 7)], axis=1)
-  dataset = tf.data.Dataset.from_tensor_slices((np.asarray(segments, np.int32), seeds)).map(sample)
-  return list(dataset.as_numpy_iterator())
+  return map_examples(sample, {"tokens": np.asarray(segments, np.int32), "seed": seeds(len(segments), 7)})
 
 
 def test_span_lengths_in_words_follow_one_over_n():

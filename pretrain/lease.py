@@ -75,15 +75,17 @@ class Lease:
     return note
 
   def release(self) -> None:
-    """Idempotent: a signal's watchdog may release it while the main thread is on its way to (pretrain.signals)."""
+    """Idempotent: a signal's watchdog may release it while the main thread is on its way to (pretrain.signals).
+    Removes the file wherever it is this lease's, also when a signal came between its writing and the heartbeat's
+    start."""
     with self._releasing:
       self._stop.set()
       if self._beating is not None:
         self._beating.join()
         self._beating = None
-        held = self.holder()
-        if held and held.get("token") == self._record["token"]:
-          self.path.unlink()
+      held = self.holder()
+      if held and held.get("token") == self._record["token"]:
+        self.path.unlink()
 
   def _beat(self) -> None:
     self.path.write_text(json.dumps({**self._record, "heartbeat": time.time()}))

@@ -33,6 +33,24 @@ def test_a_second_run_on_a_held_model_dir_fails_with_one_line(tmp_path, capsys):
   assert not first.path.exists()  # released: the next run starts
 
 
+def test_a_signal_right_after_the_lease_is_written_releases_it(tmp_path, monkeypatch):
+  """As when SIGTERM arrives while acquire() checks what it wrote: the signal's exit path releases the lease
+  before its heartbeat has started, and the file goes."""
+  taker = lease.Lease(str(tmp_path))
+  read, signalled = taker.holder, []
+
+  def read_with_a_signal_once_written():
+    if taker.path.exists() and not signalled:
+      signalled.append(True)
+      taker.release()  # what pretrain.signals runs on the way out
+      raise KeyboardInterrupt
+    return read()
+  monkeypatch.setattr(taker, "holder", read_with_a_signal_once_written)
+  with pytest.raises(KeyboardInterrupt):
+    taker.acquire()
+  assert signalled and not taker.path.exists()
+
+
 def test_a_stale_lease_from_another_host_is_taken_over(tmp_path):
   (tmp_path / lease.LEASE_FILE).write_text(json.dumps({"host": "gone-host", "pid": 1, "heartbeat": time.time() - 61}))
   taker = lease.Lease(str(tmp_path))

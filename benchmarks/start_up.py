@@ -1,0 +1,135 @@
+"""From `python -m pretrain.train` to the first step, cold and resumed, on this machine: #23's start-up figures.
+
+  python benchmarks/start_up.py [--models=bert_base,xlnet_base] [--batch_size=8] [--repeats=1] \\
+      [--baseline_repo=PATH]
+
+For each model, a cold start (a new MODEL_DIR: no checkpoint, no compilation cache, no token files) trains one
+step; then the same command resumes it to step 2 (a restore, and the programs from MODEL_DIR's compilation cache).
+Each is a real `python -m pretrain.train` process on the demo corpus (JAX on the CPU, eval off), with the run file's
+model and recipe at --batch_size. 'to first step' is timed from the launch to the progress line of the start's
+first step; within it, the state's init or restore and the step's compile (with a cache: loading it) come from the
+start's goodput records (MODEL_DIR/goodput.jsonl), where the checkout writes them.
+
+With --baseline_repo (another checkout of pod-pretrain, e.g. `git worktree add /tmp/before <commit>`), the same
+starts run that checkout's code too, interleaved with this one's, and the table gives each figure's ratio to it.
+Medians over --repeats.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {  # name -> gin files: the run file, then what makes its model the one named
+    "bert_base": ["gin_configs/runs/bert_base_pretrain.gin"],
+    "xlnet_base": ["gin_configs/runs/xlnet_large_pretrain.gin", "gin_configs/models/xlnet_base.gin"],
+}
+FIGURES = ("to first step", "init/restore", "compile")
+
+
+def goodput_figures(model_dir: Path) -> dict:
+  """{'init/restore', 'compile': seconds} of the last start in model_dir's goodput records ({} where the checkout
+  writes none)."""
+  path = model_dir / "goodput.jsonl"
+  if not path.exists():
+    return {}
+  records = [json.loads(line) for line in path.read_text().splitlines()]
+  last = [r for r in records if r["start"] == records[-1]["start"]]
+  return {"init/restore": sum(r["seconds"] for r in last if r["kind"] in ("init", "restore")),
+          "compile": sum(r["seconds"] for r in last if r["kind"] == "compile" and r.get("what") == "train_step")}
+
+
+def train(repo: Path, model: str, model_dir: Path, steps: int, batch_size: int, demo: dict, token_cache: Path) -> dict:
+  """One `python -m pretrain.train` start in `repo` up to `steps`; its figures. 'to first step': from the launch
+  to the progress line of its first step (which the step's own time is in: the same on both sides)."""
+  flags = [*(f"--gin_file={f}" for f in MODELS[model]), f"--gin.MODEL_DIR='{model_dir}'", f"--gin.TRAIN_STEPS={steps}",
+           f"--gin.BATCH_SIZE={batch_size}", f"--gin.TRAIN_FILES='{demo['train']}'", "--gin.VALIDATION_FILES=None",
+           f"--gin.VOCAB_MODEL='{demo['vocab_model']}'", "--gin.EVAL_EVERY_STEPS=0", "--gin.LOG_EVERY_STEPS=1",
+           "--gin.MESH_SHAPE={'data': 1}"]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  env.update(JAX_PLATFORMS="cpu", POD_PRETRAIN_CACHE=str(token_cache))
+  launched = time.monotonic()
+  process = subprocess.Popen([sys.executable, "-m", "pretrain.train", *flags], cwd=repo, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  to_first_step, lines = None, []
+  for line in process.stdout:
+    lines.append(line)
+    if to_first_step is None and f"step {steps:>6d}/" in line:
+      to_first_step = time.monotonic() - launched
+  if process.wait() != 0 or to_first_step is None:
+    sys.exit(f"benchmarks/start_up.py: error: {model} in {repo} failed: {''.join(lines[-3:]).strip()}")
+  return {"to first step": to_first_step, **goodput_figures(model_dir)}
+
+
+def cold_and_resumed(repo: Path, model: str, batch_size: int, demo: dict) -> dict:
+  """{'cold': figures, 'resumed': figures} of a new run of `model` in `repo`, started then resumed."""
+  with tempfile.TemporaryDirectory(prefix="start_up_") as scratch:
+    model_dir, token_cache = Path(scratch) / "run", Path(scratch) / "cache"
+    cold = train(repo, model, model_dir, 1, batch_size, demo, token_cache)
+    return {"cold": cold, "resumed": train(repo, model, model_dir, 2, batch_size, demo, token_cache)}
+
+
+def median_figures(runs: list) -> dict:
+  """{start: {figure: median seconds}}; a figure the checkout does not record is left out."""
+  return {start: {figure: statistics.median(run[start][figure] for run in runs) for figure in FIGURES
+                  if figure in runs[0][start]} for start in ("cold", "resumed")}
+
+
+def table(results: dict, baseline: dict) -> str:
+  header = "model | start | " + " | ".join(f"{f} (s)" for f in FIGURES)
+  if baseline:
+    header += " | " + " | ".join(f"{f} vs baseline" for f in FIGURES)
+  lines = [header, "|".join("---" for _ in header.split("|"))]
+  for model, figures in results.items():
+    for start, ours in figures.items():
+      row = [model, start, *(f"{ours[f]:.1f}" if f in ours else "-" for f in FIGURES)]
+      if baseline:
+        theirs = baseline[model][start]
+        row += [f"{ours[f] / theirs[f]:.2f}x" if theirs.get(f) and f in ours else "-" for f in FIGURES]
+      lines.append(" | ".join(row))
+  return "\n".join(lines)
+
+
+def main(argv) -> None:
+  parser = argparse.ArgumentParser(prog="python benchmarks/start_up.py", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--models", default="bert_base,xlnet_base", help=f"comma-separated, of {sorted(MODELS)}")
+  parser.add_argument("--batch_size", type=int, default=8)
+  parser.add_argument("--repeats", type=int, default=1, help="cold + resumed pairs per model and checkout")
+  parser.add_argument("--baseline_repo", type=Path, help="another pod-pretrain checkout to compare with")
+  args = parser.parse_args(argv)
+  models = args.models.split(",")
+  unknown = sorted(set(models) - set(MODELS))
+  if unknown:
+    parser.error(f"unknown model(s) {unknown}: choose from {sorted(MODELS)}")
+  if args.baseline_repo and not (args.baseline_repo / "pretrain" / "train.py").exists():
+    parser.error(f"--baseline_repo={args.baseline_repo} is not a pod-pretrain checkout (no pretrain/train.py)")
+  sys.path.insert(0, str(ROOT))
+  from data_pipelines import demo_corpus
+  demo = {k: str(v) for k, v in demo_corpus.ensure_demo_corpus().items()}
+  repos = {"ours": ROOT, **({"baseline": args.baseline_repo.resolve()} if args.baseline_repo else {})}
+  runs = {(name, model): [] for name in repos for model in models}
+  began = time.time()
+  for repeat in range(args.repeats):
+    for model in models:
+      for name, repo in repos.items():  # interleaved: a slower spell of the machine hits both alike
+        runs[name, model].append(cold_and_resumed(repo, model, args.batch_size, demo))
+        cold, resumed = (runs[name, model][-1][start]["to first step"] for start in ("cold", "resumed"))
+        print(f"[{time.time() - began:.0f} s] {model} {name} #{repeat + 1}: cold {cold:.1f} s, resumed {resumed:.1f} s "
+              "to the first step", flush=True)
+  results = {model: median_figures(runs["ours", model]) for model in models}
+  baseline = {model: median_figures(runs["baseline", model]) for model in models} if args.baseline_repo else {}
+  print(f"\nbatch {args.batch_size}, JAX on {os.cpu_count()} CPUs, medians of {args.repeats}; ours: {ROOT}"
+        + (f"; baseline: {repos['baseline']}" if baseline else ""))
+  print(table(results, baseline))
+  if baseline:
+    print("\nbaseline\n" + table(baseline, {}))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

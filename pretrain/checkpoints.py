@@ -68,7 +68,7 @@ class _UnraisablesOfFailedReads:
 def _hide_tracebacks_of_handled_faults() -> None:
   """Where a manager is made: warning filters set at import may be reset (pytest resets them per test), and the
   unraisable hook replaced."""
-  for logger in ("absl", "asyncio"):  # absl.logging, which orbax logs through
+  for logger in ("absl", "asyncio"):  # orbax logs through absl.logging
     logging.getLogger(logger).addFilter(_TRACEBACKS_OF_HANDLED_FAULTS)
   if os.environ.get("POD_PRETRAIN_DEBUG"):
     return

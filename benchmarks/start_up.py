@@ -52,6 +52,8 @@ def train(repo: Path, model: str, model_dir: Path, steps: int, batch_size: int, 
            f"--gin.VOCAB_MODEL='{demo['vocab_model']}'", "--gin.EVAL_EVERY_STEPS=0", "--gin.LOG_EVERY_STEPS=1",
            "--gin.MESH_SHAPE={'data': 1}"]
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+  # A cache of its own gives each run new token files; the demo corpus, which text_task would otherwise find in
+  # POD_PRETRAIN_CACHE (building it again), is named in the flags.
   env.update(JAX_PLATFORMS="cpu", POD_PRETRAIN_CACHE=str(token_cache))
   launched = time.monotonic()
   process = subprocess.Popen([sys.executable, "-m", "pretrain.train", *flags], cwd=repo, env=env, text=True,

@@ -143,9 +143,21 @@ def check_lengths(objective: str, lengths: Mapping[str, int]) -> None:
 
 
 # Examples shuffled after the objective, per data shard. The buffer fills before the first batch, at every
-# start and resume: 10,000 took 25 s of a tiny run's start. 1,000 is seqio's default; BERT's reference
-# shuffled 100 examples, after interleaving shuffled files.
+# start and resume, and each checkpoint's data position holds its contents: 10,000 took 25 s of a tiny run's
+# start. 1,000 is seqio's default; BERT's reference shuffled 100 examples, after interleaving shuffled files.
+# $POD_PRETRAIN_SHUFFLE_BUFFER sets another size (the test suite uses the reference's 100).
 EXAMPLE_SHUFFLE_BUFFER = 1_000
+SHUFFLE_BUFFER_VARIABLE = "POD_PRETRAIN_SHUFFLE_BUFFER"
+
+
+def example_shuffle_buffer() -> int:
+  """Examples in each data shard's shuffle buffer: $POD_PRETRAIN_SHUFFLE_BUFFER, else EXAMPLE_SHUFFLE_BUFFER."""
+  value = os.environ.get(SHUFFLE_BUFFER_VARIABLE, "").strip()
+  if not value:
+    return EXAMPLE_SHUFFLE_BUFFER
+  if not value.isdigit() or int(value) < 1:
+    raise ValueError(f"{SHUFFLE_BUFFER_VARIABLE}={value!r}: expected a whole number of examples, 1 or more")
+  return int(value)
 
 _OBJECTIVE_OF: Dict[str, str] = {}  # registered task name -> its objective
 _TOKEN_DIRS: Dict[str, Optional[str]] = {}  # registered task name -> its TOKEN_DIR (None: tokenized into the cache)
@@ -167,7 +179,7 @@ def register_task(name: str, source: seqio.DataSource, objective: str, vocab_mod
       source=source,
       preprocessors=[*extra_preprocessors, documents.tokenize_sentences, *spec.preprocessors(vocabulary)],
       output_features={feature: seqio.Feature(vocabulary, add_eos=False) for feature in token_features},
-      shuffle_buffer_size=None if spec.stream_reading else EXAMPLE_SHUFFLE_BUFFER,
+      shuffle_buffer_size=None if spec.stream_reading else example_shuffle_buffer(),
   )
   return name
 

@@ -15,6 +15,10 @@ at once.
 
 The watchdog reads the signals from Python's wakeup file descriptor, which the interpreter writes from its
 C signal handler: unlike a Python handler, that reaches a thread whatever the main thread is doing.
+
+Python runs the handler wherever the main thread is, even inside a garbage-collector callback (JAX has one)
+or a `__del__`, where an exception cannot propagate: Python drops it with an "Exception ignored" traceback.
+A stop dropped so is raised again at once, by the handler called anew (`_Run.dropped`).
 """
 import contextlib
 import ctypes
@@ -25,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import _thread
 from typing import Callable, List, Optional
 
 from pretrain.errors import ConfigError, Interrupted, TrainingStopped
@@ -33,6 +38,8 @@ GRACE_SECONDS = 3.0  # for the main thread to unwind before the watchdog ends th
 PEER_STOP_SECONDS = 5.0  # for the signal that stopped a peer to reach this process too (`stop_behind_failure`)
 _HANDLED = (signal.SIGTERM, signal.SIGINT)
 _STOP_WATCHING = 0  # written to the wakeup pipe when the run ends; no signal has this number
+_RAISE_AGAIN = 255  # written to it when a stop the handler raised was dropped (`_Run.dropped`); nor this
+RAISE_AGAIN_SECONDS = 0.05  # for the main thread to leave the place that dropped it
 _libc = ctypes.CDLL(None, use_errno=True)
 _SIGACTION_BYTES = 256  # more than any platform's struct sigaction, kept whole and never read field by field
 
@@ -76,6 +83,9 @@ class _Run:
     self.raised = False
     self.interrupted = False  # by Ctrl-C during training: a save is under way
     self.exits: List[Callable[[], None]] = []
+    self.calls_again = 0  # handler calls the watchdog made (`dropped`), whose signal numbers it reads too
+    self.previous_unraisablehook = sys.unraisablehook
+    sys.unraisablehook = self.dropped
     self.previous = {signum: (signal.getsignal(signum), _disposition(signum)) for signum in _HANDLED}
     self.decided = threading.Event()
     self.unwound = threading.Event()
@@ -95,6 +105,16 @@ class _Run:
       self.raised = True
       raise self.stop
 
+  def dropped(self, unraisable) -> None:
+    """Python's report of an exception it had to drop: the stop that the handler raised is raised again, by the
+    watchdog calling the handler anew once this report is over (inside it, the stop would be dropped too);
+    anything else is reported as before."""
+    if self.stop is None or unraisable.exc_value is not self.stop:
+      self.previous_unraisablehook(unraisable)
+      return
+    self.raised = False
+    os.write(self.wakeup, bytes([_RAISE_AGAIN]))
+
   def watch(self, wakeup: int) -> None:
     deadline = None
     while True:
@@ -107,6 +127,14 @@ class _Run:
       if signum == _STOP_WATCHING:
         os.close(wakeup)
         return
+      if signum == _RAISE_AGAIN:
+        time.sleep(RAISE_AGAIN_SECONDS)
+        self.calls_again += 1
+        _thread.interrupt_main(self.stop.exit_code - 128)
+        continue
+      if signum in _HANDLED and self.calls_again:
+        self.calls_again -= 1
+        continue
       if signum not in _HANDLED or (self.training and not self.passes_ctrl_c):
         continue
       if self.training and not self.interrupted:
@@ -156,6 +184,7 @@ class _Run:
 
   def end(self) -> None:
     self.unwound.set()
+    sys.unraisablehook = self.previous_unraisablehook
     for signum in _HANDLED:
       self.restore(signum)
     signal.set_wakeup_fd(self.previous_wakeup)

@@ -27,6 +27,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 _QUICK_COMPILES = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_QUICK_COMPILES}".strip()
 os.environ.setdefault("POD_PRETRAIN_CACHE", os.path.join(tempfile.gettempdir(), "pod_pretrain_test_cache"))
+# Each data shard's shuffle buffer fills at every start and is saved with every data position: BERT's
+# reference size, not the default 1,000, halves the start of a tiny run's input.
+os.environ.setdefault("POD_PRETRAIN_SHUFFLE_BUFFER", "100")
 # etils.epath picks its gs:// backend once per process, at its first path: gcsfs (which the gs:// tests'
 # local server needs) only if this is set by then. Local paths are unaffected.
 os.environ["EPATH_USE_TF"] = "false"

@@ -221,15 +221,13 @@ def test_a_mixture_draws_whole_examples_from_its_tasks_at_their_rates(tiny_wiki_
 
 
 def test_a_mixtures_data_position_continues_exactly_on_another_number_of_processes(tiny_wiki_dir, books_file,
-                                                                                   demo_paths, tmp_path, monkeypatch):
+                                                                                   demo_paths, tmp_path):
   """Each data shard's position is saved on its own (as pretrain.checkpoints saves it), so one process
   continues the batches that two processes were reading, the two halves side by side, and two continue
   what one was reading."""
   import tensorflow as tf
 
   from data_pipelines.input_pipeline import InputPipeline
-  # A small shuffle buffer (its contents are part of every saved position): four pipelines fill theirs here.
-  monkeypatch.setattr(tasks, "EXAMPLE_SHUFFLE_BUFFER", 50)
   name = wiki_and_books(tiny_wiki_dir, books_file, demo_paths["vocab_model"], rates=[3, 1])
 
   def pipeline(process_index, process_count, data_shards=2):

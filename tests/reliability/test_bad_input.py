@@ -69,6 +69,14 @@ def test_train_files_naming_a_directory_is_named(tmp_path, capsys):
                                 f"text files, e.g. TRAIN_FILES='{tmp_path}/text/*.txt'"), last
 
 
+@pytest.mark.parametrize("value", ["0", "many"])
+def test_a_shuffle_buffer_that_is_no_positive_count_is_named(value, tmp_path, capsys, monkeypatch, demo_paths):
+  monkeypatch.setenv(tasks.SHUFFLE_BUFFER_VARIABLE, value)
+  code, last = run_train(capsys, tmp_path, BERT_RUN, f"--gin.TRAIN_FILES='{demo_paths['validation']}'")
+  assert code == 1 and last == (f"{ERROR}POD_PRETRAIN_SHUFFLE_BUFFER='{value}': expected a whole number of "
+                                "examples, 1 or more"), last
+
+
 def test_an_xlnet_corpus_of_blank_lines_is_named(tmp_path, capsys, demo_paths):
   """XLNet tokenizes its text into token files before the first step: nothing to tokenize is one line."""
   (tmp_path / "blank.txt").write_text("\n \n\t\n\n")

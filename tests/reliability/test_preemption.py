@@ -2,9 +2,11 @@
 and the same command resumes there with the losses of a run that was never interrupted; its goodput records
 account for the wall time of both starts. Before the first step a signal stops the run at once, leaving nothing
 half-written. (tests/pretrain/test_multihost.py sends them to two processes.)"""
+import gc
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import SMALL_BERT, logged_losses, small_bert_flags, start_module, train
-from pretrain import goodput, trainer
+from pretrain import goodput, signals, trainer
 from pretrain.errors import Interrupted
 
 pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
@@ -98,3 +100,36 @@ def test_sigterm_during_start_up_stops_the_run_leaving_nothing_half_written(tmp_
   assert [p.name for p in cache.rglob("*") if p.is_file()] == []  # the part being written is gone
   assert sorted(p.name for p in model_dir.iterdir()) == ["goodput.jsonl", "vocab.model"]  # no lease, no checkpoint
   assert goodput.read_records(model_dir)[-1]["error"] == "Interrupted"  # the start's time is accounted for
+
+
+def test_a_stop_raised_inside_a_garbage_collector_callback_is_raised_again(monkeypatch):
+  """Python runs the signal's handler wherever the main thread is: here inside a gc callback (JAX has one),
+  where the Interrupted it raises is dropped. The stop comes out all the same, at once and with no "Exception
+  ignored" report, long before the watchdog would end the process (a two-process start-up failed so)."""
+  reported = []
+  monkeypatch.setattr(sys, "unraisablehook", reported.append)
+  sent = []
+
+  def in_gc_callback(phase, info):
+    if phase == "start" and not sent:
+      sent.append(time.monotonic())
+      os.kill(os.getpid(), signal.SIGTERM)
+      for _ in range(10_000):  # the handler runs at one of these bytecodes, inside this callback
+        pass
+
+  @signals.handled
+  def start_up():
+    signals.at("collecting garbage")
+    gc.callbacks.append(in_gc_callback)
+    try:
+      gc.collect()
+    finally:
+      gc.callbacks.remove(in_gc_callback)
+    until = time.monotonic() + signals.GRACE_SECONDS / 2
+    while time.monotonic() < until:  # returns (the test fails) if the stop stayed dropped
+      time.sleep(0.01)
+
+  with pytest.raises(Interrupted, match="stopped by SIGTERM while collecting garbage, before the first step"):
+    start_up()
+  assert sent and time.monotonic() - sent[0] < signals.GRACE_SECONDS / 2
+  assert reported == [] and sys.unraisablehook == reported.append  # the hook is given back

@@ -2,6 +2,7 @@
 weights: outputs and gradients of every family agree, the weights convert between the two layouts
 without loss, stacked weights carry the "layers" axis, and LAMB's trust ratio stays per layer."""
 import dataclasses
+import functools
 import re
 
 import flax.linen as nn
@@ -46,6 +47,11 @@ def squared_outputs(model, params, features, extra):
   return sum(jnp.sum(jnp.square(v)) for v in jax.tree.leaves(outputs)), outputs
 
 
+def outputs_and_grads(model, params, features, extra):
+  """((sum of squared outputs, outputs), gradients w.r.t. params), jitted: one program, not an op at a time."""
+  return jax.jit(jax.value_and_grad(functools.partial(squared_outputs, model), has_aux=True))(params, features, extra)
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def case(request):
   family, config = CONFIGS[request.param]
@@ -53,7 +59,7 @@ def case(request):
   scanned_config = dataclasses.replace(config, scan_layers=True)
   features, extra = family_inputs(family, config)
   unrolled = spec.family_cls(config=config).make_model()
-  params = nn.unbox(unrolled.init(jax.random.PRNGKey(0), features, **extra)["params"])
+  params = nn.unbox(jax.jit(lambda key: unrolled.init(key, features, **extra))(jax.random.PRNGKey(0))["params"])
   params = jax.tree.map(np.asarray, params)
   return dict(name=request.param, spec=spec, config=config, scanned_config=scanned_config, features=features,
               extra=extra, unrolled=unrolled, params=params,
@@ -62,10 +68,10 @@ def case(request):
 
 
 def test_scanned_stack_gives_the_unrolled_outputs_and_gradients(case):
-  (_, unrolled_out), unrolled_grads = jax.value_and_grad(squared_outputs, argnums=1, has_aux=True)(
-      case["unrolled"], case["params"], case["features"], case["extra"])
-  (_, scanned_out), scanned_grads = jax.value_and_grad(squared_outputs, argnums=1, has_aux=True)(
-      case["scanned"], case["scanned_params"], case["features"], case["extra"])
+  (_, unrolled_out), unrolled_grads = outputs_and_grads(case["unrolled"], case["params"], case["features"],
+                                                        case["extra"])
+  (_, scanned_out), scanned_grads = outputs_and_grads(case["scanned"], case["scanned_params"], case["features"],
+                                                      case["extra"])
   for key in unrolled_out:
     np.testing.assert_allclose(scanned_out[key], unrolled_out[key], rtol=1e-5, atol=1e-5, err_msg=key)
   # Gradients compared in the unrolled layout: every layer's slice against that layer's weights.
@@ -85,9 +91,8 @@ def assert_trees_close(actual, expected, rtol=1e-5):
 def test_remat_inside_the_scan_keeps_the_outputs(case):
   remat = dataclasses.replace(case["scanned_config"], remat_policy="full")
   model = case["spec"].family_cls(config=remat).make_model()
-  grad = jax.grad(lambda p: squared_outputs(model, p, case["features"], case["extra"])[0])(case["scanned_params"])
-  plain = jax.grad(lambda p: squared_outputs(case["scanned"], p, case["features"], case["extra"])[0])(
-      case["scanned_params"])
+  _, grad = outputs_and_grads(model, case["scanned_params"], case["features"], case["extra"])
+  _, plain = outputs_and_grads(case["scanned"], case["scanned_params"], case["features"], case["extra"])
   assert_trees_close(grad, plain)
 
 
@@ -127,8 +132,9 @@ def test_lamb_trust_ratio_is_per_layer_in_a_scanned_stack(case):
   grads = unflatten_params(grads)
   optimizer = optimizers.make_optimizer(lambda step: 1e-3, name="lamb", clip_norm=0.0)
 
+  @jax.jit
   def one_update(params, grads):
-    return jax.tree.map(np.asarray, optimizer.update(grads, optimizer.init(params), params)[0])
+    return optimizer.update(grads, optimizer.init(params), params)[0]
 
   unrolled = one_update(case["params"], grads)
   scanned = one_update(case["scanned_params"], layers.stack_layer_params(grads))

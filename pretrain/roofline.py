@@ -154,13 +154,9 @@ def model_flops_per_step(setup) -> float:
 
 def compile_step(setup):
   """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
-  import jax
-
   from pretrain import partitioning, steps
-  batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=partitioning.batch_sharding(setup.mesh))
-           for k, s in setup.batch_shapes.items()}
   with partitioning.tracing_context(setup.mesh, setup.rules):  # as train() traces it
-    lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), batch)
+    lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes())
   try:
     return lowered.compile()
   except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()

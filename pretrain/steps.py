@@ -52,6 +52,12 @@ class Setup:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_state(),
                         self.state_shardings)
 
+  def sharded_batch_shapes(self) -> Dict[str, jax.ShapeDtypeStruct]:
+    """Shapes, dtypes and sharding of a global batch as partitioning.global_batch makes it: for compiling
+    ahead of the first batch."""
+    sharding = partitioning.batch_sharding(self.mesh)
+    return {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for k, s in self.batch_shapes.items()}
+
   def init_state(self, rng) -> TrainState:
     params_rng, dropout_rng, state_rng = jax.random.split(rng, 3)
     params = initial_params(self.family, self.batch_shapes, {"params": params_rng, "dropout": dropout_rng})

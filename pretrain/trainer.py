@@ -3,8 +3,9 @@
 It knows models only through a `Family` (pretrain/families/base.py) and data only through a seqio
 task name and `data_pipelines.input_pipeline`; the state and the jitted steps are `pretrain.steps`.
 """
+import threading
 import time
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import numpy as np
@@ -133,6 +134,29 @@ def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, m
       "or raise WARMUP_STEPS, then resume")
 
 
+class _Fetched:
+  """`fetch()`, called in a thread of its own; `result()` waits for its value or raises its error. The thread
+  is a daemon: a fetch that hangs does not keep the process from ending."""
+
+  def __init__(self, fetch: Callable[[], Any]):
+    self._value, self._error, self._done = None, None, threading.Event()
+    threading.Thread(target=self._run, args=(fetch,), daemon=True, name="first-batch").start()
+
+  def _run(self, fetch) -> None:
+    try:
+      self._value = fetch()
+    except BaseException as e:  # given to the caller of result()
+      self._error = e
+    finally:
+      self._done.set()
+
+  def result(self):
+    self._done.wait()  # a signal's handler still runs (and may raise) while this waits
+    if self._error is not None:
+      raise self._error
+    return self._value
+
+
 @signals.handled
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
@@ -211,13 +235,17 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                    f"global batch {batch_size}, {jax.process_count()} process(es)")
 
     losses, step, preempted = [], int(state.step), False
-    # The first batch's start-up (reading, tokenizing, filling buffers) happens once: not counted as waiting.
-    signals.at("waiting for the first batch")
-    batch = partitioning.global_batch(next(train_iterator), mesh) if step < train_steps else None
-    if batch is not None:  # compiled here, not at the first step, so that a signal meanwhile stops the run
+    batch = None
+    if step < train_steps:
+      # The first batch's start-up (reading, tokenizing, filling the shuffle buffers) happens once, while the
+      # step compiles (each mostly in native code, on a core of its own), and is not counted as waiting. The
+      # step is compiled here, not at its first call, so that a signal meanwhile stops the run.
+      first_batch = _Fetched(lambda: next(train_iterator))
       signals.at("compiling the train step")
       with events.timed("compile", what="train_step"):
-        step_fn = step_fn.lower(state, batch).compile()
+        step_fn = step_fn.lower(state, setup.sharded_batch_shapes()).compile()
+      signals.at("waiting for the first batch")
+      batch = partitioning.global_batch(first_batch.result(), mesh)
     signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
     say(compiles.line())

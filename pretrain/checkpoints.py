@@ -324,7 +324,7 @@ def _position_weighted_sum(x):
     bits = bits.astype(jnp.uint32)
   position, stride = jnp.zeros(x.shape, jnp.uint32), 1
   for axis in reversed(range(x.ndim)):  # the flat index, built from iotas so that no reshape regathers x
-    position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
+    position = position + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * np.uint32(stride)
     stride = stride * x.shape[axis] % 2**32
   return jnp.sum(bits * (2 * position + 1), dtype=jnp.uint32)
 

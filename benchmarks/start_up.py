@@ -19,7 +19,6 @@ Medians over --repeats. Extra gin flags (e.g. --gin.bert.BertConfig.scan_layers=
 model's run file, on both sides.
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from pretrain import cli  # noqa: E402  (light: no TensorFlow or JAX)
+from pretrain import cli, goodput  # noqa: E402  (light: no TensorFlow or JAX)
 MODELS = {  # name -> gin files: the run file, then what makes its model the one named
     "bert_base": ["gin_configs/runs/bert_base_pretrain.gin"],
     "xlnet_base": ["gin_configs/runs/xlnet_large_pretrain.gin", "gin_configs/models/xlnet_base.gin"],
@@ -40,11 +39,9 @@ FIGURES = ("to first line", "to first step", "before init", "init/restore", "com
 
 def goodput_figures(model_dir: Path) -> dict:
   """The last start's figures from model_dir's goodput records, in seconds ({} where the checkout writes none)."""
-  path = model_dir / "goodput.jsonl"
-  if not path.exists():
+  if not (model_dir / goodput.FILE_NAME).exists():
     return {}
-  records = [json.loads(line) for line in path.read_text().splitlines()]
-  last = [r for r in records if r["start"] == records[-1]["start"]]
+  last = goodput.account(goodput.read_records(str(model_dir))).starts[-1].records
   one = lambda *kinds: next(r for r in last if r["kind"] in kinds)
   started, state, first = one("start"), one("init", "restore"), one("first_step")
   return {"to first step": first["time"] - started["time"],

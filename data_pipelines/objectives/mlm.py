@@ -8,9 +8,11 @@ ALBERT), and n-grams are taken in random order while they fit into the predictio
 (round(length × rate), capped at max_predictions); then units in random order top the budget up,
 skipping any that no longer fit (as the reference skips whole words that overflow).
 """
+import numpy as np
 import seqio
 import tensorflow as tf
 
+from data_pipelines.objectives import graphs
 from data_pipelines.objectives.random_ops import split_seed
 
 
@@ -122,7 +124,7 @@ def mask_tokens(input_ids, maskable, word_start, seed, *, max_predictions: int, 
 
 
 @seqio.map_over_dataset(num_seeds=1)
-@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph's conversion took seconds of each start
+@graphs.traced_once
 def _mask_pair(example, seed, *, length, max_predictions, word_start, cls_id, sep_id, label_key, **mask_kwargs):
   a, b = example["tokens_a"], example["tokens_b"]
   input_ids = tf.concat([[cls_id], a, [sep_id], b, [sep_id]], 0)
@@ -155,6 +157,6 @@ def masked_pair_features(dataset: tf.data.Dataset, sequence_length, *, word_star
   padded to sequence_length['input_ids'] and sequence_length['masked_positions']."""
   check_pair_lengths(sequence_length)
   return _mask_pair(dataset, length=sequence_length["input_ids"], max_predictions=sequence_length["masked_positions"],
-                    word_start=tf.constant(word_start, tf.bool), cls_id=cls_id, sep_id=sep_id, label_key=label_key,
+                    word_start=np.asarray(word_start, bool), cls_id=cls_id, sep_id=sep_id, label_key=label_key,
                     mask_id=mask_id, random_token_min=random_token_min, vocab_size=vocab_size, rate=rate,
                     max_ngram=max_ngram, whole_word=whole_word)

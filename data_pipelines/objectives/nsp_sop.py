@@ -23,6 +23,7 @@ the longer segment at random.
 import seqio
 import tensorflow as tf
 
+from data_pipelines.objectives import graphs
 from data_pipelines.objectives.random_ops import randint, split_seed
 
 NSP, SOP = "nsp", "sop"
@@ -120,7 +121,7 @@ def _same_document(a: tf.RaggedTensor, b: tf.RaggedTensor) -> tf.Tensor:
 
 
 @seqio.map_over_dataset(num_seeds=1)
-@tf.autograph.experimental.do_not_convert  # plain TF ops: autograph's conversion took seconds of each start
+@graphs.traced_once
 def _attach_plan(example, seed, **plan_kwargs):
   sentences, other = example["sentences"], example["other"]
   plan = plan_pairs(tf.cast(sentences.row_lengths(), tf.int32), tf.cast(other.row_lengths(), tf.int32), seed,

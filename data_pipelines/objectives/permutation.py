@@ -16,9 +16,12 @@ Differences from the reference, on purpose:
 - <sep>/<cls> are treated like unmasked tokens (visible to all, see no targets); in the reference
   they take part in the factorization order.
 """
+import functools
+
 import numpy as np
 import tensorflow as tf
 
+from data_pipelines.objectives import graphs
 from data_pipelines.objectives.mlm import choose_masked_positions, ngram_length_probs
 from data_pipelines.objectives.nsp_sop import pair_cuts
 from data_pipelines.objectives.random_ops import randint, split_seed
@@ -272,9 +275,6 @@ def permutation_features(input_ids, segment_ids, backward, seed, *, reuse_len: i
   }
 
 
-_WINDOW_EXAMPLES = {}  # settings -> the traced `example` of window_examples
-
-
 def window_examples(*, seq_len: int, reuse_len: int, perm_size: int, num_predict: int, word_start, sep_id: int,
                     cls_id: int, mask_alpha: int = 6, mask_beta: int = 1, max_ngram: int = 5):
   """`example(window, other, backward, seed)`: one row's features at one step from its stream windows
@@ -284,30 +284,22 @@ def window_examples(*, seq_len: int, reuse_len: int, perm_size: int, num_predict
   row reads them; backward: bool scalar, the row reads its text right to left. word_start: bool
   [vocab_size], True for pieces starting with "▁" and for special tokens.
 
-  A tf.function, made once per process for each settings: its graph (seconds to build) is traced once and
-  then shared by every pipeline that maps it (training's, evaluation's, a resumed run's).
+  Its graph (seconds to build) is traced once per process for each settings (graphs.traced_once), then
+  shared by every pipeline that maps it (training's, evaluation's, a resumed run's).
   """
   check_lengths(seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict)
   _check(mask_alpha >= mask_beta >= 1, f"mask_alpha={mask_alpha}, mask_beta={mask_beta}: need alpha >= beta >= 1")
   _check(max_ngram >= 1, f"max_ngram={max_ngram}: must be >= 1")
-  settings = dict(seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size, num_predict=num_predict, sep_id=sep_id,
-                  cls_id=cls_id, mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
-  key = (tuple(sorted(settings.items())), np.asarray(word_start, bool).tobytes())
-  if key not in _WINDOW_EXAMPLES:
-    with tf.init_scope():  # an eager constant, whatever graph is being built: the function outlives it
-      table = tf.constant(word_start, tf.bool)
-    _WINDOW_EXAMPLES[key] = tf.function(_window_example(word_start=table, **settings), autograph=False)
-  return _WINDOW_EXAMPLES[key]
+  return functools.partial(_window_example, seq_len=seq_len, reuse_len=reuse_len, perm_size=perm_size,
+                           num_predict=num_predict, word_start=np.asarray(word_start, bool), sep_id=sep_id,
+                           cls_id=cls_id, mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
 
 
-def _window_example(*, seq_len: int, reuse_len: int, perm_size: int, num_predict: int, word_start, sep_id: int,
-                    cls_id: int, mask_alpha: int, mask_beta: int, max_ngram: int):
-  def example(window, other, backward, seed):
-    layout_seed, features_seed = split_seed(seed, 2)
-    laid = layout_window(window, other, layout_seed, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id,
-                         cls_id=cls_id)
-    return permutation_features(laid["input_ids"], laid["segment_ids"], backward, features_seed, reuse_len=reuse_len,
-                                perm_size=perm_size, num_predict=num_predict, word_start=word_start, sep_id=sep_id,
-                                cls_id=cls_id, mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)
-
-  return example
+@graphs.traced_once
+def _window_example(window, other, backward, seed, *, seq_len: int, reuse_len: int, perm_size: int, num_predict: int,
+                    word_start, sep_id: int, cls_id: int, mask_alpha: int, mask_beta: int, max_ngram: int):
+  layout_seed, features_seed = split_seed(seed, 2)
+  laid = layout_window(window, other, layout_seed, seq_len=seq_len, reuse_len=reuse_len, sep_id=sep_id, cls_id=cls_id)
+  return permutation_features(laid["input_ids"], laid["segment_ids"], backward, features_seed, reuse_len=reuse_len,
+                              perm_size=perm_size, num_predict=num_predict, word_start=word_start, sep_id=sep_id,
+                              cls_id=cls_id, mask_alpha=mask_alpha, mask_beta=mask_beta, max_ngram=max_ngram)

@@ -105,10 +105,11 @@ def flip_a_bit(path):
   path.write_bytes(bytes(data))
 
 
-def logged_losses(model_dir):
-  """step -> training loss from metrics.jsonl; a resumed run's rows come later and win."""
+def logged_losses(model_dir, split=None):
+  """step -> training loss from metrics.jsonl (with `split`, e.g. 'eval': that split's loss); a resumed run's
+  rows come later and win."""
   rows = [json.loads(line) for line in (Path(model_dir) / "metrics.jsonl").read_text().splitlines()]
-  return {r["step"]: r["loss"] for r in rows if "split" not in r}
+  return {r["step"]: r["loss"] for r in rows if r.get("split") == split}
 
 
 # ----------------------------------------------------------------------------- objectives' statistics

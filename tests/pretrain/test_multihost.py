@@ -9,7 +9,6 @@ lease, starts again and trains until process 1 gets SIGTERM; a bit of the checkp
 flipped; it resumes, and trains on until Ctrl-C twice after the next periodic checkpoint. The reference
 run and the resume after Ctrl-C train in this process, on its one device.
 """
-import json
 import os
 import signal
 import subprocess
@@ -235,11 +234,6 @@ XLNET_BINDINGS = [
     "EVAL_STEPS = 2", "optimizers.warmup_linear_decay.total_steps = 6"]
 
 
-def eval_losses(model_dir):
-  rows = [json.loads(line) for line in (Path(model_dir) / "metrics.jsonl").read_text().splitlines()]
-  return {r["step"]: r["loss"] for r in rows if r.get("split") == "eval"}
-
-
 def test_xlnet_continues_exactly_on_another_number_of_processes_both_ways(tmp_path):
   """XLNet's rows read their streams from the step number, so a run saved by one process continues on
   two, and what two saved continues on one, with the losses of an uninterrupted run (memory included),
@@ -266,8 +260,8 @@ def test_xlnet_continues_exactly_on_another_number_of_processes_both_ways(tmp_pa
   on_one_process(relayed, 6)  # and one resumes there.
   expected, losses = logged_losses(reference), logged_losses(relayed)
   np.testing.assert_allclose([losses[s] for s in range(1, 7)], [expected[s] for s in range(1, 7)], rtol=2e-5)
-  evals = eval_losses(reference)
+  evals = logged_losses(reference, split="eval")
   assert sorted(evals) == [2, 4, 6] and np.isfinite(list(evals.values())).all() and evals[6] != evals[2]
-  relayed_evals = eval_losses(relayed)
+  relayed_evals = logged_losses(relayed, split="eval")
   assert sorted(relayed_evals) == [2, 4, 6]
   np.testing.assert_allclose([relayed_evals[s] for s in (2, 4, 6)], [evals[s] for s in (2, 4, 6)], rtol=2e-5)

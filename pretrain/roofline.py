@@ -154,11 +154,14 @@ def model_flops_per_step(setup) -> float:
 
 def compile_step(setup):
   """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
-  from pretrain import partitioning, steps
+  from pretrain import compilation_cache, partitioning, steps
   with partitioning.tracing_context(setup.mesh, setup.rules):  # as train() traces it
     lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes())
   try:
-    return lowered.compile()
+    # Not through JAX's persistent cache: an executable compiled for a described topology, with no TPU
+    # client, cannot be loaded back (a second plan would warn, then compile anyway).
+    with compilation_cache.used(compilation_cache.OFF, model_dir=""):
+      return lowered.compile()
   except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise

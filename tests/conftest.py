@@ -20,11 +20,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _SESSION_COMPILATION_CACHE = tempfile.mkdtemp(prefix="pod_pretrain_jax_cache_")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _SESSION_COMPILATION_CACHE
   os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-# XLA's CPU backend skips LLVM's optimisations and emits fusions with its older (quicker to compile) emitters:
-# the tests' programs are tiny and each is compiled about once, so compiling is most of their cost (a tiny
-# XLNet train step: 16 s -> 9 s for the first flag; the second takes a third off the scanned-stack tests).
-# Every comparison the tests make is between programs compiled alike, or within tolerances.
-_QUICK_COMPILES = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# XLA's CPU backend skips LLVM's optimisations, emits fusions with its older (quicker to compile) emitters, and
+# generates each program as one LLVM module: the tests' programs are tiny and each is compiled about once, so
+# compiling is most of their cost (a tiny XLNet train step: 16 s -> 9 s for the first flag; the second takes a
+# third off the scanned-stack tests; the third, where XLA's default splits a program into modules to compile
+# them in parallel, takes a fifth off a tiny BERT run's cold start on 2 CPUs). Every comparison the tests make
+# is between programs compiled alike, or within tolerances.
+_QUICK_COMPILES = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                   "--xla_cpu_parallel_codegen_split_count=1")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_QUICK_COMPILES}".strip()
 os.environ.setdefault("POD_PRETRAIN_CACHE", os.path.join(tempfile.gettempdir(), "pod_pretrain_test_cache"))
 # Each data shard's shuffle buffer fills at every start and is saved with every data position: BERT's

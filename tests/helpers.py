@@ -12,7 +12,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# ----------------------------------------------------------------------------- programs in subprocesses
+# ----------------------------------------------------------------------------- programs, in subprocesses or here
 
 
 def module_command(module, *args):
@@ -38,6 +38,49 @@ def run(command, env=None, timeout=600):
 def run_module(module, *args, env=None, timeout=600):
   """`run` of `python -m module args`."""
   return run(module_command(module, *args), env=env, timeout=timeout)
+
+
+def run_here(program, *args):
+  """`python -m program args` (`python program args` for a .py path from the repository root), run in this
+  process as a process of its own would run it; returns a CompletedProcess with its stdout, its stderr (what
+  Python writes) and its exit code (a message given to sys.exit goes to stderr, with code 1, as Python does).
+  The absl programs define flags of the same names (--input, --output), and a module run as a program
+  defines them again: the project's flags are forgotten before the program runs and after."""
+  import contextlib
+  import io
+  import runpy
+  import warnings
+  stdout, stderr, code, argv = io.StringIO(), io.StringIO(), 0, sys.argv
+  _forget_project_flags()
+  sys.argv = [program, *args]
+  try:
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)  # a module tests import too
+      try:
+        if program.endswith(".py"):
+          runpy.run_path(str(ROOT / program), run_name="__main__")
+        else:
+          runpy.run_module(program, run_name="__main__", alter_sys=True)
+      except SystemExit as exited:
+        if exited.code is None or isinstance(exited.code, int):
+          code = exited.code or 0
+        else:
+          print(exited.code, file=sys.stderr)
+          code = 1
+  finally:
+    sys.argv = argv
+    _forget_project_flags()
+  return subprocess.CompletedProcess([program, *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+def _forget_project_flags():
+  """absl files a program's flags under its path (or sys.argv[0]), a module's under its name."""
+  from absl import flags
+  for module, module_flags in list(flags.FLAGS.flags_by_module_dict().items()):
+    if module.endswith(".py") or module.startswith(("pretrain", "data_pipelines", "benchmarks")):
+      for flag in list(module_flags):  # forgetting one takes it off this list
+        if flag.name in flags.FLAGS:
+          delattr(flags.FLAGS, flag.name)
 
 
 def start_module(module, *args, stderr=subprocess.PIPE):

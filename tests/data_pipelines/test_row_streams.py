@@ -10,7 +10,7 @@ import pytest
 
 from data_pipelines import tasks, token_files
 from data_pipelines.input_pipeline import InputPipeline
-from helpers import run_module
+from helpers import run_here
 
 SEQ, REUSE, PREDICT = 64, 16, 6
 LENGTHS = {"input_ids": SEQ, "target_ids": PREDICT, "reuse_len": REUSE}
@@ -128,14 +128,14 @@ def test_batches_and_the_saved_position_do_not_depend_on_the_number_of_processes
 
 def test_tokenize_command_writes_every_split_and_names_bad_flags(demo_paths, tmp_path):
   output = tmp_path / "tokens"
-  result = run_module("data_pipelines.tokenize", f"--train_files={demo_paths['validation']}",
+  result = run_here("data_pipelines.tokenize", f"--train_files={demo_paths['validation']}",
                       f"--validation_files={demo_paths['validation']}", f"--vocab_model={demo_paths['vocab_model']}",
                       f"--output={output}")
   assert result.returncode == 0, result.stderr[-2000:]
   assert f"train with TOKEN_DIR='{output}'" in result.stdout
   train, validation = (token_files.TokenFile(str(output / split)) for split in ("train", "validation"))
   assert train.size == validation.size > 1000 and train.info["vocab_size"] == 2000
-  missing = run_module("data_pipelines.tokenize", "--train_files=/nonexistent/*.txt", f"--output={output}")
+  missing = run_here("data_pipelines.tokenize", "--train_files=/nonexistent/*.txt", f"--output={output}")
   assert missing.returncode != 0
   assert missing.stderr.strip().splitlines()[-1] == (
       "tokenize: error: TRAIN_FILES='/nonexistent/*.txt' matches no files")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from helpers import assert_rate, restored, run_module, train
+from helpers import assert_rate, restored, run_here, train
 from data_pipelines import input_pipeline, sources, tasks, vocab
 
 LENGTHS = {"input_ids": 128, "masked_positions": 20}  # articles below are shorter: label-0 pairs stay whole
@@ -89,8 +89,8 @@ def test_one_sentence_documents_take_segment_b_from_another_document(objective, 
 def test_vocab_cli_trains_a_model_with_the_documented_special_ids(tmp_path, demo_paths):
   (tmp_path / "text").mkdir()
   (tmp_path / "text" / "corpus.txt").write_text(open(demo_paths["validation"], encoding="utf-8").read())
-  result = run_module("data_pipelines.vocab", f"--input={tmp_path}/text/*.txt", "--vocab_size=300",
-                      f"--output={tmp_path}/out/spm", timeout=300)
+  result = run_here("data_pipelines.vocab", f"--input={tmp_path}/text/*.txt", "--vocab_size=300",
+                    f"--output={tmp_path}/out/spm")
   assert result.returncode == 0, result.stderr[-2000:]
   model = str(tmp_path / "out" / "spm.model")
   processor = spm.SentencePieceProcessor(model_file=model)
@@ -104,8 +104,7 @@ def test_vocab_cli_trains_a_model_with_the_documented_special_ids(tmp_path, demo
 
 def test_vocab_cli_glob_matching_nothing_is_a_one_line_error(tmp_path):
   pattern = f"{tmp_path}/nothing-*.txt"
-  result = run_module("data_pipelines.vocab", f"--input={pattern}", "--vocab_size=300", f"--output={tmp_path}/spm",
-                      timeout=300)
+  result = run_here("data_pipelines.vocab", f"--input={pattern}", "--vocab_size=300", f"--output={tmp_path}/spm")
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1] == f"error: --input={pattern!r} matches no files"
   assert "Traceback" not in result.stderr
@@ -291,8 +290,8 @@ def test_split_text_writes_whole_documents_in_order_in_even_parts(tmp_path, demo
     docs = ["\n".join(f"File {f} document {d} sentence {s}." for s in range(rng.integers(1, 8)))
             for d in range(100)]
     (corpus / f"{f}.txt").write_bytes("\n\n  \n".join(docs).encode() + b" \xff bytes.\n")
-  result = run_module("data_pipelines.split_text", f"--input={corpus}/*.txt", f"--output_dir={tmp_path}/parts",
-                      "--num_files=16", timeout=300)
+  result = run_here("data_pipelines.split_text", f"--input={corpus}/*.txt", f"--output_dir={tmp_path}/parts",
+                    "--num_files=16")
   assert result.returncode == 0, result.stderr[-2000:]
   parts = sorted((tmp_path / "parts").iterdir())
   assert [p.name for p in parts] == [f"part-{i:05d}-of-00016.txt" for i in range(16)]
@@ -300,8 +299,8 @@ def test_split_text_writes_whole_documents_in_order_in_even_parts(tmp_path, demo
   sizes = np.array([p.stat().st_size for p in parts])
   largest_document = max(len(d) for d in documents(str(corpus / "*.txt")))
   assert sizes.max() - sizes.min() <= 2 * largest_document
-  again = run_module("data_pipelines.split_text", f"--input={corpus}/*.txt", f"--output_dir={tmp_path}/parts",
-                     "--num_files=8", timeout=300)
+  again = run_here("data_pipelines.split_text", f"--input={corpus}/*.txt", f"--output_dir={tmp_path}/parts",
+                   "--num_files=8")
   assert again.returncode != 0 and again.stderr.strip().splitlines()[-1].endswith("is not empty: parts of another "
                                                                                   "split would mix with these")
 

@@ -111,34 +111,14 @@ GIN_PROGRAMS = ("pretrain.train", "pretrain.plan", "benchmarks/input_pipeline.py
 START_UP_NOISE = re.compile(r"cuInit|cuda_|absl::InitializeLog|rebuild TensorFlow|oneDNN")
 
 # Runs `PROGRAM --help` for each program given, as `python -m` or `python FILE` would, all in one process
-# (their imports are shared); prints {program: [exit code, stdout]} as JSON. The absl programs define
-# flags of the same names (--model_dir, --input): the project's flags go before each program runs.
+# (their imports are shared); prints {program: [exit code, stdout]} as JSON.
 HELP_OF_EACH = r"""
-import contextlib, io, json, runpy, sys
-from absl import flags
+import json, sys
+sys.path.append("tests")
+from helpers import run_here
 
-def forget_project_flags():
-  for module, module_flags in list(flags.FLAGS.flags_by_module_dict().items()):
-    if module.endswith(".py") or module.startswith(("pretrain", "data_pipelines")):
-      for flag in list(module_flags):
-        if flag.name in flags.FLAGS:
-          delattr(flags.FLAGS, flag.name)
-
-results = {}
-for program in sys.argv[1:]:
-  forget_project_flags()
-  sys.argv = [program, "--help"]
-  stdout, code = io.StringIO(), "returned"
-  with contextlib.redirect_stdout(stdout):
-    try:
-      if program.endswith(".py"):
-        runpy.run_path(program, run_name="__main__")
-      else:
-        runpy.run_module(program, run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-      code = e.code or 0
-  results[program] = [code, stdout.getvalue()]
-print(json.dumps(results))
+ran = {program: run_here(program, "--help") for program in sys.argv[1:]}
+print(json.dumps({program: [result.returncode, result.stdout] for program, result in ran.items()}))
 """
 
 

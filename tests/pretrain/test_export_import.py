@@ -16,7 +16,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, start_module, train
+from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, run_here, train
 from models import layers
 from pretrain import checkpoints, cli, export, import_hf, registry
 from pretrain.hf_mappings import bart as bart_mapping
@@ -205,7 +205,7 @@ BAD_INPUTS = {  # case -> (program, words of its one-line error)
     "output_not_empty": ("pretrain.export", "is not empty"),
     "vocab_too_large": ("pretrain.export", "more than the model's vocab_size=100"),
     "unsupported_hf_model": ("pretrain.import_hf", "model_type='gpt2'")}
-IN_OWN_PROCESS = ("no_checkpoint", "unsupported_hf_model")  # one per program: its flags, one line and exit code
+AS_PROGRAMS = ("no_checkpoint", "unsupported_hf_model")  # one per program: its flags, one line and exit code
 
 
 def exported_in_this_process(arguments):
@@ -220,8 +220,8 @@ def exported_in_this_process(arguments):
 
 @pytest.fixture(scope="module")
 def bad_runs(bert_dir, tmp_path_factory, demo_paths):
-  """Runs every bad input: ({case: (stderr, exit code)}, folder, its listing). IN_OWN_PROCESS run as programs, in
-  parallel; the other export cases in this process meanwhile."""
+  """Runs every bad input: ({case: (stderr, exit code)}, folder, its listing). AS_PROGRAMS run from their command
+  lines; the other export cases through pretrain.export's function."""
   root = tmp_path_factory.mktemp("bad")
   (root / "empty" / "checkpoints").mkdir(parents=True)
   (root / "taken").mkdir()
@@ -241,9 +241,9 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
           "output_not_empty": [f"--model_dir={bert_dir}", output("taken")],
           "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"]}
   before = sorted(os.listdir(root))
-  processes = {case: start_module(BAD_INPUTS[case][0], *args[case]) for case in IN_OWN_PROCESS}
-  results = {case: exported_in_this_process(arguments) for case, arguments in args.items() if case not in processes}
-  results.update({case: (p.communicate(timeout=600)[1], p.returncode) for case, p in processes.items()})
+  programs = {case: run_here(BAD_INPUTS[case][0], *args[case]) for case in AS_PROGRAMS}
+  results = {case: exported_in_this_process(arguments) for case, arguments in args.items() if case not in programs}
+  results.update({case: (program.stderr, program.returncode) for case, program in programs.items()})
   return results, root, before
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from helpers import assert_rate, map_examples, restored, run_module, seeds
+from helpers import assert_rate, map_examples, restored, run_here, seeds
 from data_pipelines import sources, tasks
 from data_pipelines.objectives import mlm, nsp_sop
 
@@ -334,8 +334,8 @@ def test_sop_labels_are_balanced_and_swap_consecutive_segments(tmp_path, demo_pa
 
 
 def test_preview_writes_jsonl_with_every_feature():
-  result = run_module("data_pipelines.preview", "--task=demo_bert_mlm_nsp", "--num_examples=3", "--format=jsonl",
-                      "--seed=2", timeout=300)
+  result = run_here("data_pipelines.preview", "--task=demo_bert_mlm_nsp", "--num_examples=3", "--format=jsonl",
+                    "--seed=2")
   assert result.returncode == 0, result.stderr[-2000:]
   rows = [json.loads(line) for line in result.stdout.splitlines()]
   assert len(rows) == 3

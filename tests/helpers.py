@@ -1,6 +1,6 @@
-"""Plain helpers shared by the test files: subprocess runs of the programs, tiny training runs, rate
-checks, HF model building. Heavy libraries are imported inside the helpers that need them, so that
-tests which use none of them (the launchers') stay free of TF, torch and JAX."""
+"""Plain helpers shared by the test files: runs of the programs (in subprocesses, or in this process), tiny
+training runs, rate checks, HF model building. Heavy libraries are imported inside the helpers that need them,
+so that tests which use none of them (the launchers') stay free of TF, torch and JAX."""
 import json
 import math
 import os

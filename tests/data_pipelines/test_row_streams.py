@@ -129,8 +129,8 @@ def test_batches_and_the_saved_position_do_not_depend_on_the_number_of_processes
 def test_tokenize_command_writes_every_split_and_names_bad_flags(demo_paths, tmp_path):
   output = tmp_path / "tokens"
   result = run_here("data_pipelines.tokenize", f"--train_files={demo_paths['validation']}",
-                      f"--validation_files={demo_paths['validation']}", f"--vocab_model={demo_paths['vocab_model']}",
-                      f"--output={output}")
+                    f"--validation_files={demo_paths['validation']}", f"--vocab_model={demo_paths['vocab_model']}",
+                    f"--output={output}")
   assert result.returncode == 0, result.stderr[-2000:]
   assert f"train with TOKEN_DIR='{output}'" in result.stdout
   train, validation = (token_files.TokenFile(str(output / split)) for split in ("train", "validation"))

@@ -46,15 +46,19 @@ class Lease:
     self._stop = threading.Event()
     self._beating: Optional[threading.Thread] = None
     self._releasing = threading.Lock()
+    self._written = False
 
   def holder(self) -> Optional[dict]:
     """The lease as written, or None if there is none; an unreadable one counts as held until stale."""
-    if not self.path.exists():
-      return None
     try:
-      return json.loads(self.path.read_text())
-    except (ValueError, OSError):
-      return {"heartbeat": self.path.stat().mtime}
+      if not self.path.exists():
+        return None
+      try:
+        return json.loads(self.path.read_text())
+      except (ValueError, OSError):
+        return {"heartbeat": self.path.stat().mtime}
+    except FileNotFoundError:  # released between the checks: another process's run ended
+      return None
 
   def acquire(self) -> Optional[str]:
     """Takes the lease and starts beating; returns a line if it took over a dead run's lease.
@@ -83,11 +87,14 @@ class Lease:
       if self._beating is not None:
         self._beating.join()
         self._beating = None
+      if not self._written:  # another process's lease (process 0 holds it for the job): not this one's to read
+        return
       held = self.holder()
       if held and held.get("token") == self._record["token"]:
         self.path.unlink()
 
   def _beat(self) -> None:
+    self._written = True  # before the write: a signal may come while it is under way
     self.path.write_text(json.dumps({**self._record, "heartbeat": time.time()}))
 
   def _keep_beating(self) -> None:

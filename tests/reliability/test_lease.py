@@ -79,3 +79,30 @@ def test_the_lease_of_a_killed_process_on_this_host_is_taken_over_at_once(tmp_pa
   taker = lease.Lease(str(tmp_path))
   assert f"pid {held_by['pid']}" in taker.acquire()
   taker.release()
+
+
+def test_a_lease_released_while_others_read_it_reads_as_free(tmp_path):
+  """Process 0 releases the job's lease as the other processes end: what each of them reads is a holder or
+  none, never an error (the file really goes and comes back while they read), and their release leaves it alone."""
+  import threading
+  holder, other = lease.Lease(str(tmp_path)), lease.Lease(str(tmp_path))
+  done, seen = threading.Event(), set()
+
+  def come_and_go():
+    while not done.is_set():
+      holder._beat()
+      holder.path.unlink()
+
+  churn = threading.Thread(target=come_and_go)
+  churn.start()
+  try:
+    for _ in range(5000):
+      seen.add(other.holder() is None)
+      other.release()
+  finally:
+    done.set()
+    churn.join()
+  assert seen == {True, False}  # both states were met, and no read failed
+  holder._beat()
+  other.release()
+  assert holder.path.exists()  # not its lease

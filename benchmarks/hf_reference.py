@@ -112,6 +112,10 @@ class OurTrainer:
     return (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
             + memory.temp_size_in_bytes)
 
+  def program_text(self) -> str:
+    """The compiled train step's optimised HLO (after `compile`)."""
+    return self._train_step.as_text()
+
   def step(self, device_batch) -> Dict[str, float]:
     """One training step (the state is donated and replaced); its metrics, once it has finished."""
     import jax

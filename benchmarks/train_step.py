@@ -24,6 +24,11 @@ kernels have no dropout on the attention probabilities, so where the model drops
 (BERT: 0.1) our step runs XLA's attention whatever is chosen; `--attention_dropout=0` sets that rate to 0
 on both sides, to time the kernels there too.
 
+`--prng_impl` lists the random-key implementations of our dropout to time side by side (JAX's default
+threefry2x32; rbg draws its bits with XLA's RngBitGenerator). `--profile=N` then traces N steps of each of
+ours and prints their device time by model source, layers folded (pretrain.op_profile); `--profile_dir`
+keeps each trace and compiled program there, for `python -m pretrain.op_profile` or TensorBoard.
+
 After `--warmup` steps of each (ours compiles ahead of its first), the steps are timed interleaved,
 ours then theirs, `--repeats` times; prints the median step time and tokens per second of each (input
 tokens of a batch: encoder plus decoder for BART), the ratio ours / HF, MFU (model FLOPs per step as
@@ -44,6 +49,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -73,6 +79,7 @@ LARGE = {"bert": ("bert_large", "bert_mlm_nsp", {"input_ids": 512, "masked_posit
          "xlnet": ("xlnet_large", "xlnet_plm", None, 16),
          "bart": ("bart_large", "bart_denoising", None, 16)}
 SIZE_NAMES = tuple(SIZES) + ("large",)
+PRNG_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")  # jax_default_prng_impl's; the first is JAX's default
 
 
 def names(text: str, known) -> list:
@@ -97,8 +104,16 @@ def make_parser() -> argparse.ArgumentParser:
   parser.add_argument("--attention_dropout", type=float, default=None,
                       help="the attention-probability dropout of BERT, ALBERT and BART on both sides (default: "
                            "the model's)")
+  parser.add_argument("--prng_impl", type=lambda s: names(s, PRNG_IMPLS), default=[PRNG_IMPLS[0]],
+                      help="the random-key implementations of our dropout to time side by side (default: "
+                           f"{PRNG_IMPLS[0]})")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps of each, interleaved; medians are printed")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (ours compiles before them)")
+  parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                      help="then trace this many steps of each of ours and print where their device time goes, by "
+                           "model source (pretrain.op_profile)")
+  parser.add_argument("--profile_dir", help="keep each profiled trace and its compiled program's text in this "
+                                            "(existing) directory")
   return parser
 
 
@@ -143,8 +158,9 @@ def run_file_family(name: str):
   gin.add_config_file_search_path(REPO)
   gin.parse_config_files_and_bindings(
       [f"gin_configs/models/{model_file}.gin", f"gin_configs/objectives/{objective_file}.gin"], [])
-  family = copy.deepcopy(gin.query_parameter("%FAMILY"))  # gin calls a @reference's configurable as it copies it
-  return family, lengths or gin.query_parameter("%TASK_FEATURE_LENGTHS"), batch
+  # gin calls a @reference's configurable (a %MACRO's too) as it copies it
+  family = copy.deepcopy(gin.query_parameter("%FAMILY"))
+  return family, lengths or copy.deepcopy(gin.query_parameter("%TASK_FEATURE_LENGTHS")), batch
 
 
 def family_and_lengths(name: str, size_name: str, device: str, attention_dropout):
@@ -248,17 +264,22 @@ class Side:
     self.times.append(time.perf_counter() - start)
 
 
-def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: str) -> Side:
-  """Our step as pretrain.train builds it, compiled ahead of its first call."""
+def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: str, prng_impl: str) -> Side:
+  """Our step as pretrain.train builds it, compiled ahead of its first call, its random keys (dropout's) of
+  `prng_impl`."""
+  import jax
   from hf_reference import AdamWSettings, OurTrainer
+  jax.config.update("jax_default_prng_impl", prng_impl)
   settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)  # the defaults of gin_configs/runs/pretrain.gin
   start = time.perf_counter()
   trainer = OurTrainer(with_attention(family, requested), lengths, batch_size, settings, device)
   init_s = time.perf_counter() - start
+  print(f"  ours {requested} ({prng_impl}): initialised in {init_s:.1f} s; compiling the step", flush=True)
   batch = trainer.device_batch(numpy_batch)
   start = time.perf_counter()
   memory = trainer.compile(batch)
-  return Side(f"ours {attention_label(trainer, requested)}", lambda: trainer.step(batch)["loss"],
+  label = attention_label(trainer, requested) + ("" if prng_impl == PRNG_IMPLS[0] else f" {prng_impl}")
+  return Side(f"ours {label}", lambda: trainer.step(batch)["loss"],
               trainer.num_params, init_s, time.perf_counter() - start, memory, trainer=trainer)
 
 
@@ -285,6 +306,33 @@ def their_side(family, batch_size: int, numpy_batch, params, device: str) -> Sid
   return side
 
 
+def profile(side: Side, steps: int, step_seconds: float, keep_as) -> None:
+  """Traces `steps` more steps of our side and prints its device time by source; `keep_as` (a path
+  prefix), if given, keeps the trace and the compiled program as KEEP_AS.xplane.pb and KEEP_AS.hlo.txt."""
+  import glob
+  import shutil
+  import tempfile
+
+  import jax
+
+  from pretrain import op_profile
+  with tempfile.TemporaryDirectory(prefix="train_step_trace_") as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(steps):
+      side.step()
+    jax.profiler.stop_trace()
+    trace = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
+    program = side.trainer.program_text()
+    times = op_profile.kernel_times(trace, module=op_profile.module_name(program))
+    if keep_as:
+      shutil.copy(trace, keep_as + ".xplane.pb")
+  if keep_as:
+    with open(keep_as + ".hlo.txt", "w") as f:
+      f.write(program)
+  print(f"  {side.label}, {steps} steps traced:", flush=True)
+  print(op_profile.report(times, op_profile.instruction_sources(program), steps, step_seconds=step_seconds), flush=True)
+
+
 def compare(name: str, size_name: str, args, device) -> list:
   """Our variants and HF's, timed interleaved; a row of figures for each."""
   import numpy as np
@@ -293,16 +341,21 @@ def compare(name: str, size_name: str, args, device) -> list:
   family, lengths, batch_size = family_and_lengths(name, size_name, args.device, args.attention_dropout)
   numpy_batch = random_batch(family, batch_size, lengths, np.random.default_rng(0))
   requested = args.attention if hasattr(family.config, "attention_implementation") else ["xla"]
+  variants = [(attention, prng) for prng in args.prng_impl for attention in requested]
   ours = []
-  for implementation in requested:
+  for attention, prng in variants:
     try:
-      ours.append(our_side(family, lengths, batch_size, numpy_batch, device, implementation))
+      ours.append(our_side(family, lengths, batch_size, numpy_batch, device, attention, prng))
+      print(f"  {name} {size_name}: {ours[-1].label}: init {ours[-1].init_s:.1f} s, compile {ours[-1].compile_s:.1f} s",
+            flush=True)  # progress: a large model's compile takes minutes
     except Exception as e:  # an implementation the chip or library refuses: the others still run
-      if implementation == requested[-1] and not ours:
+      if (attention, prng) == variants[-1] and not ours:
         raise
-      print(f"  {name} {size_name}: our attention {implementation!r} failed: {str(e).splitlines()[0][:300]}",
+      print(f"  {name} {size_name}: our attention {attention!r} ({prng}) failed: {str(e).splitlines()[0][:300]}",
             flush=True)
+  start = time.perf_counter()
   theirs = their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device)
+  print(f"  {name} {size_name}: {theirs.label}: built in {time.perf_counter() - start:.1f} s", flush=True)
   sides = ours + [theirs]
   for side in sides:
     for _ in range(args.warmup):
@@ -325,6 +378,15 @@ def compare(name: str, size_name: str, args, device) -> list:
                  "seconds": seconds, "vs_hf": theirs_s / seconds, "mfu": flops / seconds / peak if peak else None,
                  "memory_gib": side.memory_bytes / GIB, "init_s": side.init_s, "compile_s": side.compile_s,
                  "last_loss": side.losses[-1]})
+  print_table(rows)
+  if args.profile:
+    for side in ours:
+      file_name = re.sub(r"\W+", "_", f"{name}_{size_name}_{side.label}")
+      keep_as = args.profile_dir and os.path.join(args.profile_dir, file_name)
+      try:
+        profile(side, args.profile, statistics.median(side.times), keep_as)
+      except Exception as e:  # the figures above stand without it
+        print(f"  {side.label}: profiling failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
   return rows
 
 
@@ -359,10 +421,14 @@ def main(args):
       print(f"  {name} {size_name}: {family_rows[0]['params'] / 1e6:.1f}M params, tokens/batch "
             f"{family_rows[0]['tokens']}, last losses " + ", ".join(f"{r['side']} {r['last_loss']:.4f}"
                                                                     for r in family_rows), flush=True)
-  print_table(rows)
+  if len(rows) > len(family_rows):
+    print_table(rows)
 
 
 if __name__ == "__main__":
+  # benchmarks/ is not a package: its scripts import their shared module by name, from their own directory;
+  # the project's packages come from the repository root.
+  sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), REPO]
   arguments = make_parser().parse_args()
   if arguments.repeats < 1 or arguments.warmup < 1:
     make_parser().error("--repeats and --warmup must be >= 1")
@@ -370,7 +436,4 @@ if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"  # the comparison is on the CPU, whatever accelerator is attached
   else:  # JAX takes its memory as it needs it, leaving the rest of the device to torch
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-  # benchmarks/ is not a package: its scripts import their shared module by name, from their own directory;
-  # the project's packages come from the repository root.
-  sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), REPO]
   main(arguments)

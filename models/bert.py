@@ -52,7 +52,7 @@ class BertEmbeddings(nn.Module):
     position = layers.embedding(self.max_position_embeddings, self.features, ("position", "embed"), self.dtype,
                                 "position")
     token_type = layers.embedding(self.type_vocab_size, self.features, ("token_type", "embed"), self.dtype,
-                                  "token_type")
+                                  "token_type", one_hot=True)  # every position's gradient goes to one of its rows
     positions = jnp.arange(input_ids.shape[1])[None, :]
     x = word(input_ids) + position(positions) + token_type(segment_ids)
     x = layers.layer_norm(self.layer_norm_eps, self.dtype, "norm")(x)

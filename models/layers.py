@@ -90,13 +90,32 @@ def layer_norm(epsilon: float, dtype: Dtype, name: str) -> nn.LayerNorm:
   )
 
 
-def embedding(num: int, features: int, axes: Sequence[str], dtype: Dtype, name: str) -> nn.Embed:
-  return nn.Embed(
+class Embed(nn.Embed):
+  """nn.Embed, or with `one_hot` a lookup by a product with the ids' one-hot vectors in the table's fp32, cast
+  after: for a table of a few rows (token types), where a scatter-add would send every position's gradient
+  into the same rows. On an H200 that contention (bf16, 16,384 positions into 2 rows) took 24.6 ms of
+  BERT-Large's 126.5 ms step; as a product the gradient is one small matmul, summed in fp32."""
+  one_hot: bool = False
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not self.one_hot:
+      return super().__call__(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(f"{self.name}: embedding ids must be integers, got {inputs.dtype}")
+    hot = jax.nn.one_hot(inputs, self.num_embeddings, dtype=self.embedding.dtype)
+    # HIGHEST: each output is one table entry exactly, also where fp32 products would round (TPU).
+    rows = jnp.einsum("...n,nd->...d", hot, self.embedding, precision=jax.lax.Precision.HIGHEST)
+    return rows.astype(self.dtype)
+
+
+def embedding(num: int, features: int, axes: Sequence[str], dtype: Dtype, name: str, one_hot: bool = False) -> Embed:
+  return Embed(
       num_embeddings=num,
       features=features,
       dtype=dtype,
       param_dtype=jnp.float32,
       embedding_init=with_axes(default_kernel_init, axes),
+      one_hot=one_hot,
       name=name,
   )
 

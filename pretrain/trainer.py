@@ -244,6 +244,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       signals.at("compiling the train step")
       with events.timed("compile", what="train_step"):
         step_fn = step_fn.lower(state, setup.sharded_batch_shapes()).compile()
+      profiler.use_program(step_fn)
       signals.at("waiting for the first batch")
       batch = partitioning.global_batch(first_batch.result(), mesh)
     signals.training_begins()

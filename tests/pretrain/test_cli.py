@@ -100,7 +100,7 @@ PROGRAMS = {
     "pretrain.train": "--gin_file", "pretrain.plan": "--topology", "pretrain.export": "--output_dir",
     "pretrain.import_hf": "--hf_dir", "pretrain.demo": "--train_steps", "data_pipelines.vocab": "--vocab_size",
     "data_pipelines.split_text": "--num_files", "data_pipelines.preview": "--num_examples",
-    "data_pipelines.tokenize": "--vocab_model",
+    "data_pipelines.tokenize": "--vocab_model", "pretrain.op_profile": "--hlo",
     "launch.local": "--num_processes", "launch.tpu": "--accelerator_type",
     "benchmarks/input_pipeline.py": "--step_seconds", "benchmarks/checkpoint_checksums.py": "--millions",
     "benchmarks/plan_xlnet_large_v3_512.py": "--gin.KEY=VALUE", "benchmarks/train_step.py": "--repeats",

@@ -2,6 +2,7 @@
 model caches exactly the tokens the data's windows continue. (Exact resume: XLNet's, with held-out evaluation,
 in tests/pretrain/test_multihost.py; BERT's after a preemption, in tests/reliability.)"""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from data_pipelines import vocab
 pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
 
 
-def test_loss_falls_and_outputs_are_written(tmp_path):
+def test_loss_falls_and_outputs_are_written(tmp_path, capsys):
   train("bert_tiny_demo", tmp_path, 60, SMALL_BERT + ["LOG_EVERY_STEPS = 5", "CHECKPOINT_EVERY_STEPS = 30",
                                                       "PROFILE_STEPS = (11, 12)"])
   losses = logged_losses(tmp_path)
@@ -27,6 +28,10 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [30, 60]
   assert list((tmp_path / "tensorboard" / "train").iterdir())
   assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+  assert (tmp_path / "profile" / "train_step.hlo.txt").read_text().startswith("HloModule jit_train_step")
+  summary = capsys.readouterr().out
+  assert re.search(r"device time per step [\d.]+ ms in \d+ kernels; top 15 of \d+ sources", summary), summary
+  assert re.search(r"^\s+[\d.]+\s+[\d.]+%\s+\d+\s+(forward |backward) encoder/layer_\*/", summary, re.M), summary
 
 
 def test_one_device_and_eight_devices_agree(tmp_path, bert_on_eight_devices):

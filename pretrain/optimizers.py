@@ -1,10 +1,10 @@
 """Optimizers from optax: AdamW (BERT, XLNet, BART recipes) or LAMB (ALBERT, large-batch BERT),
 linear warmup then linear decay, global-norm clipping, no weight decay on biases and LayerNorm.
 
-Every optimizer skips an update whose gradients are not finite (optax.apply_if_finite), so params
-never become NaN; the train loop counts the skips and stops a run that keeps making them. Optionally
-(`skip_loss_spikes_above`) it also skips an update whose loss jumps above a multiple of its running
-mean, as MaxText's skip_step_on_spikes does.
+Every optimizer skips an update whose gradients are not finite (`skip_if_not_finite`, with
+optax.apply_if_finite's state), so params never become NaN; the train loop counts the skips and stops
+a run that keeps making them. Optionally (`skip_loss_spikes_above`) it also skips an update whose loss
+jumps above a multiple of its running mean, as MaxText's skip_step_on_spikes does.
 """
 from typing import Any, NamedTuple, Optional
 
@@ -14,8 +14,6 @@ import optax
 
 from models import layers
 
-
-NEVER_GIVE_UP = 2**31 - 1
 
 
 def warmup_linear_decay(peak_learning_rate: float, warmup_steps: int, total_steps: int,
@@ -57,6 +55,33 @@ def scale_by_layerwise_trust_ratio() -> optax.GradientTransformation:
     return jax.tree_util.tree_map_with_path(scale, updates, params), state
 
   return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def skip_if_not_finite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """`inner`, except that an update whose gradients hold an inf or NaN is skipped (zero updates, `inner`'s
+  state kept) and counted, in optax.apply_if_finite's state (a checkpoint of either restores with the other),
+  and never given up on: the loop decides when to stop (trainer.train's max_skipped_steps).
+
+  The check is the gradients' global norm, which is not finite exactly when an element is not (or the sum of
+  squares overflows fp32: no update to apply either). Clipping computes the same norm, so XLA computes it
+  once. apply_if_finite checks leaf by leaf, then chooses through lax.cond: on an H200 its per-leaf checks
+  and the norm inside the cond were ~800 of BERT-Large's 1,564 kernels per step, 2.4 of its 107 ms."""
+
+  def init(params):
+    return optax.ApplyIfFiniteState(notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
+                                    total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+  def update(updates, state, params=None, **extra_args):
+    finite = jnp.isfinite(optax.global_norm(updates))
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    skipped = (~finite).astype(jnp.int32)
+    return (jax.tree.map(lambda u: jnp.where(finite, u, jnp.zeros_like(u)), new_updates),
+            optax.ApplyIfFiniteState(
+                notfinite_count=(state.notfinite_count + 1) * skipped, last_finite=finite,
+                total_notfinite=state.total_notfinite + skipped,
+                inner_state=jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_inner, state.inner_state)))
+
+  return optax.GradientTransformationExtraArgs(init, update)
 
 
 class LossSpikeState(NamedTuple):
@@ -106,9 +131,7 @@ def make_optimizer(schedule: optax.Schedule, name: str = "adamw", weight_decay: 
   else:
     raise ValueError(f"optimizers.make_optimizer.name={name!r}: expected 'adamw' or 'lamb'")
   clipped = optax.chain(optax.clip_by_global_norm(clip_norm), update) if clip_norm else update
-  # The loop decides when to give up (trainer.train's max_skipped_steps): optax's own limit would then
-  # apply a non-finite update, so it is set out of reach.
-  finite = optax.apply_if_finite(clipped, max_consecutive_errors=NEVER_GIVE_UP)
+  finite = skip_if_not_finite(clipped)
   if skip_loss_spikes_above is None:
     return optax.with_extra_args_support(finite)
   if skip_loss_spikes_above <= 1:

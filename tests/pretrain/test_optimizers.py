@@ -1,8 +1,10 @@
-"""The optimizer's skips: a loss spike above the configured multiple of the running mean leaves params and
-optimizer state as they were and is counted; without the setting, no loss is ever a spike."""
+"""The optimizer's skips: non-finite gradients, and a loss spike above the configured multiple of the running
+mean, leave params and optimizer state as they were and are counted; without the setting, no loss is ever a
+spike."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from pretrain import optimizers
@@ -57,3 +59,30 @@ def test_without_the_setting_no_loss_is_a_spike():
 def test_a_factor_of_one_or_less_is_refused():
   with pytest.raises(ValueError, match=r"SKIP_LOSS_SPIKES_ABOVE=1: expected a factor above 1"):
     optimizers.make_optimizer(lambda step: 0.1, skip_loss_spikes_above=1)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_gradients_are_skipped_and_counted_in_apply_if_finites_state(bad):
+  """As optax.apply_if_finite skips (its state, so checkpoints of either restore), never giving up; a finite
+  update after them resets the count in a row and is applied as if they had not happened."""
+  schedule = optimizers.warmup_linear_decay(1e-2, 0, 100)
+  ours = optimizers.make_optimizer(schedule)
+  params = {"w": jnp.arange(4.0), "bias": jnp.ones(2)}
+  state = ours.init(params)
+  as_before = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, eps=1e-6, weight_decay=0.01,
+                                                                      mask=optimizers.decay_mask))
+  reference = optax.apply_if_finite(as_before, 3).init(params)  # the optimizer of earlier checkpoints
+  assert jax.tree.structure(state) == jax.tree.structure(reference)
+  good = {"w": jnp.full(4, 0.5), "bias": jnp.full(2, -0.5)}
+  broken = {"w": good["w"].at[2].set(bad), "bias": good["bias"]}
+  update = jax.jit(lambda grads, state: ours.update(grads, state, params, loss=1.0))
+  for count in range(1, 6):  # past apply_if_finite's own limits: ours never applies them
+    updates, state = update(broken, state)
+    assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates))
+    assert optimizers.skipped_updates(state) == {"skipped_steps": count, "skipped_in_a_row": count}
+  fresh = ours.init(params)
+  jax.tree.map(np.testing.assert_array_equal, state.inner_state, fresh.inner_state)  # as if never updated
+  updates, state = update(good, state)
+  expected, _ = update(good, fresh)
+  jax.tree.map(np.testing.assert_array_equal, updates, expected)
+  assert optimizers.skipped_updates(state) == {"skipped_steps": 5, "skipped_in_a_row": 0}

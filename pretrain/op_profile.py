@@ -5,8 +5,9 @@ Each kernel event of a trace names the HLO instruction it ran (its `hlo_op` stat
 `hlo_module`); the compiled program's text gives each instruction's source as JAX recorded it (`op_name`
 metadata: transforms and the Flax module path). Times are summed per source with layer indices folded
 (`layer_3` -> `layer_*`), forward and backward apart, so a report reads, e.g., "backward
-encoder/layer_*/attention/.../dot_general: 21 ms of a 124 ms step". A kernel the trace does not tie to
-an instruction (one run from a CUDA graph, say) is counted under its own name.
+encoder/layer_*/attention/.../dot_general: 21 ms of a 124 ms step". A kernel run from a CUDA graph
+(XLA's command buffers on GPUs) is known by its name, which spells its fusion's; one that names no
+instruction (a library's, such as cuBLAS's) is counted under its own name.
 
   python -m pretrain.op_profile TRACE.xplane.pb [--hlo=PROGRAM.txt] [--steps=N] [--top=N]
 """

@@ -15,7 +15,6 @@ import optax
 from models import layers
 
 
-
 def warmup_linear_decay(peak_learning_rate: float, warmup_steps: int, total_steps: int,
                         end_learning_rate: float = 0.0) -> optax.Schedule:
   warmup = optax.linear_schedule(0.0, peak_learning_rate, max(warmup_steps, 1))

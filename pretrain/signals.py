@@ -109,7 +109,7 @@ class _Run:
     """Python's report of an exception it had to drop: the stop that the handler raised is raised again, by the
     watchdog calling the handler anew once this report is over (inside it, the stop would be dropped too);
     anything else is reported as before."""
-    if self.stop is None or unraisable.exc_value is not self.stop:
+    if self.stop is None or unraisable.exc_value is not self.stop or self.unwound.is_set():
       self.previous_unraisablehook(unraisable)
       return
     self.raised = False
@@ -184,7 +184,10 @@ class _Run:
 
   def end(self) -> None:
     self.unwound.set()
-    sys.unraisablehook = self.previous_unraisablehook
+    # A hook set on top of ours during the run (the checkpoints' filter of orbax's abandoned reads, which are
+    # collected later) stays; ours then only passes reports on.
+    if sys.unraisablehook == self.dropped:
+      sys.unraisablehook = self.previous_unraisablehook
     for signum in _HANDLED:
       self.restore(signum)
     signal.set_wakeup_fd(self.previous_wakeup)

@@ -5,6 +5,7 @@ import time
 from helpers import run_module
 
 JOIN_AND_GATHER = """
+import os
 import jax
 import jax.numpy as jnp
 from jax.experimental import multihost_utils
@@ -13,7 +14,8 @@ from pretrain import distributed
 distributed.initialize()
 assert jax.device_count() == 4 and jax.local_device_count() == 2 and jax.process_count() == 2
 gathered = multihost_utils.process_allgather(jnp.array([jax.process_index() + 10]))
-print("gathered", gathered.ravel().tolist(), "on", jax.process_index(), flush=True)
+# One write: a pipe takes it whole, so Gloo's own writes to this stdout cannot split it.
+os.write(1, f"gathered {gathered.ravel().tolist()} on {jax.process_index()}\\n".encode())
 """
 
 
@@ -24,9 +26,9 @@ def launch_local(*args):
 def test_two_processes_join_and_allgather():
   done = launch_local("--num_processes=2", "--devices_per_process=2", "--", sys.executable, "-c", JOIN_AND_GATHER)
   assert done.returncode == 0, done.stdout + done.stderr
-  # Gloo's C++ runtime writes its connection log to the child's own stdout through a buffer of its own,
-  # so within one child it can wrap a Python line ("[Gloo] Rank gathered ... 1 is connected"): look
-  # for each result in that process's lines, not for a whole line.
+  # Gloo's C++ runtime writes its connection log to the child's own stdout through a buffer of its own, so
+  # a line of it can be cut by the result's (one write, whole): look for each result within that process's
+  # lines, not for a whole line.
   for process in (0, 1):
     own = [line for line in done.stdout.splitlines() if line.startswith(f"[process {process}] ")]
     assert any(f"gathered [10, 11] on {process}" in line for line in own), done.stdout

@@ -323,14 +323,14 @@ def profile(side: Side, steps: int, step_seconds: float, keep_as) -> None:
     jax.profiler.stop_trace()
     trace = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)[0]
     program = side.trainer.program_text()
-    times = op_profile.kernel_times(trace, module=op_profile.module_name(program))
+    text = op_profile.summary(trace, program, steps, step_seconds=step_seconds)
     if keep_as:
       shutil.copy(trace, keep_as + ".xplane.pb")
   if keep_as:
     with open(keep_as + ".hlo.txt", "w") as f:
       f.write(program)
   print(f"  {side.label}, {steps} steps traced:", flush=True)
-  print(op_profile.report(times, op_profile.instruction_sources(program), steps, step_seconds=step_seconds), flush=True)
+  print(text, flush=True)
 
 
 def compare(name: str, size_name: str, args, device) -> list:

@@ -119,6 +119,12 @@ def report(times: Dict[str, KernelTime], sources: Dict[str, str], steps: int, to
   return "\n".join(lines)
 
 
+def summary(trace: str, program: str, steps: int, top: int = 25, step_seconds: Optional[float] = None) -> str:
+  """`report` of the kernels in `trace` of the compiled program whose text is `program`, named by source."""
+  times = kernel_times(trace, module_name(program))
+  return report(times, instruction_sources(program), steps, top, step_seconds)
+
+
 def main(argv: Iterable[str]) -> int:
   import argparse
   parser = argparse.ArgumentParser(prog="python -m pretrain.op_profile", description=__doc__,

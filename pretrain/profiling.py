@@ -80,10 +80,9 @@ class StepProfiler:
       f.write(program)
     traces = glob.glob(os.path.join(self._staged.path, "plugins", "profile", "*", "*.xplane.pb"))
     try:
-      times = op_profile.kernel_times(max(traces, key=os.path.getmtime), op_profile.module_name(program))
+      return op_profile.summary(max(traces, key=os.path.getmtime), program, steps, top=SUMMARY_SOURCES)
     except (OSError, ValueError) as e:  # the trace stands without its summary
       return f"no summary of the profile: {e}"
-    return op_profile.report(times, op_profile.instruction_sources(program), steps, top=SUMMARY_SOURCES)
 
   def __enter__(self) -> "StepProfiler":
     return self

@@ -76,6 +76,7 @@ def report_lines(p: Plan) -> list:
       f"total {p.figures.hbm_total / GIB:.2f} GiB of {p.hbm_limit / GIB:.2f} GiB ({p.headroom:.0%} headroom)",
       f"compiled FLOPs per device per step: {p.figures.flops:.3e}{loops}; includes any remat recomputation",
       f"HBM bytes accessed per device per step: {p.figures.bytes_accessed:.3e}{loops}",
+      *kernel_lines(p.figures.kernels),
       f"model FLOPs per step: {p.model_flops:.3e} = {p.model_flops / p.devices:.3e} per device = "
       f"{p.model_flops / p.tokens_per_step:.3e} per token (matmuls of the forward and backward pass, counted "
       f"in the program without remat)",
@@ -88,6 +89,19 @@ def report_lines(p: Plan) -> list:
   ]
   if p.headroom < HEADROOM_WARNING:
     lines.append(f"warning: less than {HEADROOM_WARNING:.0%} of HBM left; prefer more remat, microbatches or fsdp")
+  return lines
+
+
+def kernel_lines(k) -> list:
+  """What the Pallas kernels among those figures cost, and what they said of themselves."""
+  lines = []
+  if k.counted:
+    lines.append(f"Pallas flash attention: {k.counted:.0f} kernels, counted from their blocks: {k.flops:.3e} FLOPs, "
+                 f"{k.bytes_accessed:.3e} bytes (their own estimates: {k.declared_flops:.3e} FLOPs, "
+                 f"{k.declared_bytes:.3e} bytes; loop bodies once)")
+  if k.self_reported:
+    lines.append(f"warning: {k.self_reported:.0f} Pallas kernel(s) of unknown algorithm are counted at their own "
+                 "estimate (or nothing where they give none)")
   return lines
 
 

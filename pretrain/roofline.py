@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from pretrain.collectives import Collectives, collective_traffic
 from pretrain.errors import ConfigError
+from pretrain.kernel_costs import KernelCosts, kernel_costs
 
 GIB = 2 ** 30
 HEADROOM_WARNING = 0.10  # below this fraction of free HBM, fragmentation or a new libtpu may tip it over
@@ -176,6 +177,7 @@ class StepFigures:
   flops: float  # per step, loop bodies multiplied out
   bytes_accessed: float  # per step, likewise
   collectives: Collectives
+  kernels: KernelCosts = KernelCosts()  # the Pallas kernels among the FLOPs and bytes (loop bodies once)
 
   @property
   def hbm_total(self) -> float:
@@ -190,7 +192,7 @@ class StepFigures:
     unknown = max(self.collectives.loops_of_unknown_length, other.collectives.loops_of_unknown_length)
     return StepFigures({use: size + times * other.memory[use] for use, size in self.memory.items()},
                        self.flops + times * other.flops, self.bytes_accessed + times * other.bytes_accessed,
-                       Collectives(by_kind, unknown))
+                       Collectives(by_kind, unknown), self.kernels.plus(other.kernels, times))
 
 
 def step_figures(compiled, setup) -> StepFigures:
@@ -198,8 +200,10 @@ def step_figures(compiled, setup) -> StepFigures:
   stats = compiled.memory_analysis()
   memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
             "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
-  flops, bytes_accessed = step_cost(compiled, setup.microbatches)
-  return StepFigures(memory, flops, bytes_accessed, collective_traffic(compiled.as_text(), setup.mesh.devices.size))
+  program = compiled.as_text()
+  kernels = kernel_costs(program)
+  flops, bytes_accessed = step_cost(compiled, setup.microbatches, kernels)
+  return StepFigures(memory, flops, bytes_accessed, collective_traffic(program, setup.mesh.devices.size), kernels)
 
 
 def measure(setup) -> tuple:
@@ -209,12 +213,15 @@ def measure(setup) -> tuple:
   return step_figures(compiled, setup), time.time() - start
 
 
-def step_cost(compiled, microbatches: int) -> tuple:
-  """(FLOPs, HBM bytes accessed) per device per step, from the compiler's cost analysis."""
+def step_cost(compiled, microbatches: int, kernels: KernelCosts) -> tuple:
+  """(FLOPs, HBM bytes accessed) per device per step, from the compiler's cost analysis with the Pallas
+  kernels' own estimates replaced by their counted costs."""
   cost = compiled.cost_analysis()
+  flops = cost.get("flops", 0.0) - kernels.declared_flops + kernels.flops
+  bytes_accessed = cost.get("bytes accessed", 0.0) - kernels.declared_bytes + kernels.bytes_accessed
   # The microbatch loop is a lax.scan: its body (nearly all the work) is counted once. Multiplying the
   # whole step over-counts the optimizer update by (microbatches - 1) times, well under 1%.
-  return cost["flops"] * microbatches, cost["bytes accessed"] * microbatches
+  return flops * microbatches, bytes_accessed * microbatches
 
 
 def unrolled_figures(config, layer_count_fields, figures_of: Callable) -> StepFigures:

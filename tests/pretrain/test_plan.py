@@ -198,3 +198,11 @@ def test_pallas_attention_runs_per_device_in_the_step_of_a_v4_slice():
   assert result.returncode == 0, result.stderr[-3000:]
   program = figures.call_args.args[0].as_text()
   assert program.count('custom_call_target="tpu_custom_call"') >= 2, program[:3000]  # 1 layer, fwd + bwd
+  # Costed from the algorithm (pretrain.kernel_costs), not the kernels' own estimates: the forward, dk/dv
+  # and dq kernels of the one layer do 4 + 8 + 6 products of q·k·d per head, on each device's 32 / 4 rows
+  # and 2 / 2 heads of 128 positions.
+  kernels, flops = figure(r"Pallas flash attention: (\d+) kernels, counted from their blocks: ([\d.e+]+) FLOPs",
+                          result.stdout)
+  assert kernels == 3
+  assert flops == pytest.approx(18 * 8 * 1 * 128 * 128 * 64, rel=1e-3)  # printed to 4 digits
+  assert "of unknown algorithm" not in result.stdout

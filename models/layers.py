@@ -186,9 +186,11 @@ def attention_for_device(device) -> str:
 
   TPUs stay on XLA's. Pallas flash attention ('pallas') runs on TPU v4 and later (v3's Mosaic has no
   bf16 x bf16 -> fp32 matmul), per device under shard_map over the mesh the steps are traced with, and
-  compiles for a slice. But costed from its algorithm and blocks (pretrain.kernel_costs), it plans slower
-  than XLA's attention and in more HBM: BART-large on a v4-128, >= 1.76 s and 10.63 GiB per core against
-  1.58 s and 7.73 GiB (gin_configs/runs/bart_large_v4_128.gin)."""
+  compiles for a slice. But costed from its algorithm and blocks (pretrain.kernel_costs), it plans no
+  faster than XLA's attention and in more HBM (a head_dim of 64 fills 128 lanes): BART-large >= 1.76 s and
+  10.63 GiB per core against 1.58 s and 7.73 GiB on a v4-128, 0.75 s and 9.94 GiB against 0.58 s and 8.01
+  GiB on a v5litepod-256; ALBERT-xxlarge a draw in time, 0.5-1.6 GiB more (the v4_128 and v5litepod_256
+  run files)."""
   if device.platform in ("gpu", "cuda") and "NVIDIA" in device.device_kind.upper():
     return "cudnn" if float(getattr(device, "compute_capability", 0) or 0) >= 8.0 else "xla"
   return "xla"

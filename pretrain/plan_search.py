@@ -19,6 +19,7 @@ and layers unrolled or scanned. Cheapest pruning first:
 """
 import dataclasses
 import math
+import re
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -28,6 +29,7 @@ from pretrain.errors import ConfigError
 REMAT_POLICIES = ("none", "dots", "full")  # each keeps fewer activations for the backward pass, recomputes more
 HEAD_COUNT_FIELDS = ("num_heads", "n_head")  # model configs' attention heads: BERT, ALBERT and BART; XLNet
 DEFAULT_CONFIRM = 3
+_INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 MAX_CONFIRM = 8  # full-size compiles of a large model take minutes each
 
 
@@ -224,7 +226,7 @@ class LayoutSearch:
       try:
         floors[mesh] = state_bytes_per_device(self.setup(Layout(mesh, 1, "none", False)))
       except (ConfigError, ValueError) as e:  # make_setup's refusal; an array the mesh does not divide
-        _count(self.discarded, f"invalid ({_first_words(e)})", layouts_per_mesh[mesh])
+        _count(self.discarded, f"invalid ({invalid_reason(e)})", layouts_per_mesh[mesh])
         continue
       if least_floor is None or floors[mesh] < floors[least_floor]:
         least_floor = mesh
@@ -285,7 +287,7 @@ class LayoutSearch:
           try:
             candidate = self.estimate(Layout(mesh, microbatches, remat, False))
           except ConfigError as e:  # e.g. bi_data's row pairs split by this many microbatches, on every mesh
-            _count(self.discarded, f"invalid ({_first_words(e)})", len(meshes))
+            _count(self.discarded, f"invalid ({invalid_reason(e)})", len(meshes))
             break
           estimates.append(candidate)
           if candidate.plan.figures is not None:
@@ -345,8 +347,14 @@ def _count(counts: dict, reason: str, layouts: int) -> None:
     counts[reason] = counts.get(reason, 0) + layouts
 
 
-def _first_words(error: Exception) -> str:
-  return str(error).splitlines()[0][:100]
+def invalid_reason(error: Exception) -> str:
+  """Why a layout cannot be set up, in words that are the same for every mesh it refuses: an array the mesh
+  does not divide is named by its shape and partition spec (jax's message names the whole mesh)."""
+  text = str(error)
+  indivisible = _INDIVISIBLE.search(text)
+  if indivisible:
+    return f"an array of shape {indivisible.group(2)} does not split as P({indivisible.group(1)})"
+  return text.splitlines()[0][:100]
 
 
 def _mesh_label(mesh: tuple) -> str:

@@ -123,3 +123,25 @@ def test_max_minutes_stops_the_search_and_reports_what_it_has():
   assert re.search(r"102 layouts, 0 compiles in \d+ s \(stopped at --max_minutes\)", result.stdout), result.stdout
   last = result.stderr.strip().splitlines()[-1]
   assert last == "pretrain.plan: no layout fits: --max_minutes ran out before any layout was found to fit: allow more"
+
+
+def test_a_mesh_that_does_not_divide_an_array_is_refused_with_the_arrays_shape_not_the_whole_mesh():
+  """jax's refusal names the whole mesh, which would make each refused mesh a reason of its own in the table."""
+  import os
+
+  import gin
+
+  from pretrain import cli, trainer
+  gin.clear_config()
+  env = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+         "TPU_ACCELERATOR_TYPE": "v3-8"}
+  with mock.patch.dict(os.environ, env):
+    cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin"], ["bert.BertConfig.vocab_size = 2047"])
+    arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
+    search = plan_search.LayoutSearch(arguments, "v3:2x2", 1, print, deadline=float("inf"))
+    mesh = (("replica", 1), ("data", 4), ("fsdp", 1), ("model", 2))
+    with pytest.raises(ValueError) as refused:
+      plan_search.state_bytes_per_device(search.setup(plan_search.Layout(mesh, 1, "none", False)))
+  gin.clear_config()
+  reason = plan_search.invalid_reason(refused.value)
+  assert re.fullmatch(r"an array of shape \(2047, \d+\) does not split as P\('model', .*\)", reason), reason

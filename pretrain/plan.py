@@ -140,7 +140,8 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
         setup.family.config, setup.family.layer_count_fields,
         lambda config: roofline.measure(roofline.run_setup(
             arguments, dataclasses.replace(setup.family, config=config), mesh, setup.microbatches))[0])
-    figures = dataclasses.replace(figures, flops=unrolled.flops, bytes_accessed=unrolled.bytes_accessed)
+    figures = dataclasses.replace(figures, flops=unrolled.flops, bytes_accessed=unrolled.bytes_accessed,
+                                  kernels=unrolled.kernels)
   p.figures = figures
   return p
 

@@ -29,8 +29,8 @@ from pretrain.errors import ConfigError
 REMAT_POLICIES = ("none", "dots", "full")  # each keeps fewer activations for the backward pass, recomputes more
 HEAD_COUNT_FIELDS = ("num_heads", "n_head")  # model configs' attention heads: BERT, ALBERT and BART; XLNet
 DEFAULT_CONFIRM = 3
-_INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 MAX_CONFIRM = 8  # full-size compiles of a large model take minutes each
+_INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +198,7 @@ class LayoutSearch:
     figures, seconds = self.figures_of(layout, self.config(layout), "full size")
     if figures is not None and layout.scan_layers:
       figures = dataclasses.replace(figures, flops=twin.plan.figures.flops,
-                                    bytes_accessed=twin.plan.figures.bytes_accessed)
+                                    bytes_accessed=twin.plan.figures.bytes_accessed, kernels=twin.plan.figures.kernels)
     return Candidate(layout, self.plan(layout, figures, seconds), confirmed=True, estimate=candidate.plan)
 
   def hbm_limit(self, mesh: tuple) -> float:

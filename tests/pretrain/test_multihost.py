@@ -189,7 +189,8 @@ def test_a_damaged_newest_checkpoint_is_set_aside_once_and_both_processes_resume
   # A flipped bit gives wrong values (checksum mismatch) or, in a compressed chunk, bytes that do not decode.
   assert "checksum mismatch" in named[0] or "unreadable" in named[0]
   assert named[0].endswith(f"set aside in {model_dir / 'damaged' / str(damaged)}")
-  assert f"resumed from step 5 in {model_dir / 'checkpoints'}" in said
+  # Gloo's connection log shares process 0's stdout and may run into a line of ours: searched, not matched.
+  assert any(f"resumed from step 5 in {model_dir / 'checkpoints'}" in line for line in said), said
   assert [p.name for p in (model_dir / "damaged").iterdir()] == [str(damaged)]
   assert not [line for line in lines_of(interrupted_run["interrupted"]["output"], 1) if "damaged" in line]
 

@@ -15,7 +15,6 @@ keeps its declared cost, and the plan says how many did.
 import dataclasses
 import itertools
 import json
-import math
 import re
 from typing import List
 
@@ -83,7 +82,7 @@ def _tiled_bytes(hlo_type: str) -> float:
   minor_to_major = [int(d) for d in layout.group(1).split(",")]
   for dim, tile in zip(minor_to_major, (int(layout.group(3)), int(layout.group(2)))):
     dims[dim] = -(-dims[dim] // tile) * tile
-  return type_bytes(hlo_type) / max(1, math.prod(_dims(hlo_type)[0])) * math.prod(dims)
+  return type_bytes(f"{hlo_type.split('[', 1)[0]}[{','.join(map(str, dims))}]")
 
 
 def _dims(hlo_type: str) -> List[tuple]:
@@ -157,7 +156,7 @@ def _output_types(hlo_type: str) -> List[str]:
 def kernel_costs(hlo_text: str) -> KernelCosts:
   """The declared and the counted costs of every Pallas kernel in a compiled program's HLO text."""
   computations, _ = parse_hlo(hlo_text)
-  totals = dict(declared_flops=0.0, declared_bytes=0.0, flops=0.0, bytes_accessed=0.0, counted=0, self_reported=0)
+  total = KernelCosts()
   for computation in computations.values():
     for instruction in computation.instructions.values():
       if instruction.opcode != "custom-call" or 'custom_call_target="tpu_custom_call"' not in instruction.attributes:
@@ -165,14 +164,9 @@ def kernel_costs(hlo_text: str) -> KernelCosts:
       declared_flops, declared_bytes = _declared(instruction)
       kind = _kind(instruction)
       if kind is None:
-        flops, moved = declared_flops, declared_bytes
-        totals["self_reported"] += 1
+        kernel = KernelCosts(declared_flops, declared_bytes, declared_flops, declared_bytes, self_reported=1)
       else:
         operand_types = [computation.instructions[name].type for name in instruction.operands]
-        flops, moved = flash_cost(kind, instruction, operand_types)
-        totals["counted"] += 1
-      totals["declared_flops"] += declared_flops
-      totals["declared_bytes"] += declared_bytes
-      totals["flops"] += flops
-      totals["bytes_accessed"] += moved
-  return KernelCosts(**totals)
+        kernel = KernelCosts(declared_flops, declared_bytes, *flash_cost(kind, instruction, operand_types), counted=1)
+      total = total.plus(kernel, 1)
+  return total

@@ -8,11 +8,13 @@ and layers unrolled or scanned. Cheapest pruning first:
 1. Memory arithmetic: a mesh whose parameters, gradients and optimizer state (bytes per device under its
    shardings) exceed the usable HBM is discarded without compiling.
 2. Estimates from small compiles (roofline.unrolled_figures: stacks of 1 and 2 layers, extrapolated to full
-   depth). More fsdp only adds collectives, more microbatches loop overhead and more remat recomputation,
-   while each saves memory: a layout with at least as much of all three as a fitting one is dominated and
-   not compiled (LayoutSearch.explore_model_split). Meshes of one model size split the batch alike, so
-   their activations are alike: a layout whose state plus the activations measured beside it, scaled by
-   the rows per microbatch, exceeds the HBM is not compiled either.
+   depth). More microbatches add loop overhead and more remat recomputation, while each saves memory: a
+   layout with at least as much of them and of fsdp as a fitting one is dominated and not compiled
+   (LayoutSearch.explore_model_split). More fsdp adds collectives but divides the optimizer's HBM traffic,
+   so beyond a fitting layout whose step HBM traffic bounds, more fsdp is estimated while it is faster.
+   Meshes of one model size split the batch alike, so their activations are alike: a layout whose state
+   plus the activations measured beside it, scaled by the rows per microbatch, exceeds the HBM is not
+   compiled either.
 3. A scanned layout does its unrolled twin's work, so it takes the twin's estimate; its memory is known
    once it is compiled at full size.
 4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures.
@@ -266,7 +268,9 @@ class LayoutSearch:
   def explore_model_split(self, meshes: List[tuple], floors: dict) -> List[Candidate]:
     """The fitting layouts that no other fitting one dominates, for meshes of one model size (least fsdp
     first): more fsdp, microbatches or remat each save memory and cost time, so a layout is estimated
-    only where no fitting one has as little of all three. A layout estimated to fit with less than
+    only where no fitting one has as little of all three. Except for fsdp where HBM traffic bounds a fitting
+    layout's step (more fsdp divides the optimizer's): there the next fsdp is estimated while it fits and is
+    faster than the last. A layout estimated to fit with less than
     HEADROOM_WARNING free dominates nothing: small compiles underestimate a deep step's peak HBM (BERT-Large
     on a v3-512: 3.18 GiB estimated, 4.32 GiB compiled), so the safer layouts beyond it are estimated too.
     The meshes split the batch alike, so their activations are alike: a mesh's HBM is predicted as its
@@ -279,6 +283,7 @@ class LayoutSearch:
       measured = None  # (activation bytes, microbatches) of the last estimate with this remat
       for microbatches in counts:
         undominated = min((i for i, m, r in fitting if m <= microbatches and r <= remat_index), default=len(meshes))
+        faster_than = None  # seconds of the last fitting layout of this row, while more fsdp may beat it
         for index, mesh in enumerate(meshes[:undominated]):
           if measured and floors[mesh] + measured[0] * measured[1] / microbatches > limit:
             continue
@@ -292,9 +297,13 @@ class LayoutSearch:
           estimates.append(candidate)
           if candidate.plan.figures is not None:
             measured = (candidate.plan.figures.hbm_total - floors[mesh], microbatches)
+          if faster_than is not None and not (candidate.fits and candidate.plan.overlapped_seconds() < faster_than):
+            break
           if candidate.fits and candidate.plan.headroom >= roofline.HEADROOM_WARNING:
             fitting.append((index, microbatches, remat_index))
-            break
+            if not _bound_by_hbm(candidate.plan):
+              break
+            faster_than = candidate.plan.overlapped_seconds()
     return estimates
 
   def suggestion(self, ranked: List[Candidate], floors: dict, least_floor) -> str:
@@ -323,6 +332,13 @@ class LayoutSearch:
     return (f"{layout.label()} needs {least.plan.figures.hbm_total / roofline.GIB:.2f} GiB per device with "
             f"{rows} row(s) per microbatch: shorter sequences, or a slice of "
             f"{_power_of_two(devices * least.plan.figures.hbm_total / limit)} devices")
+
+
+def _bound_by_hbm(plan: roofline.Plan) -> bool:
+  """Whether HBM traffic sets the step's estimate: then more fsdp, which divides the optimizer's traffic over more
+  devices, may make it faster despite its collectives."""
+  times = plan.step_seconds()
+  return times["HBM"] == max(times.values())
 
 
 def _allows(config, **changes) -> bool:

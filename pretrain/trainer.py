@@ -46,19 +46,25 @@ def input_pipeline_for_run(family: Family, mixture_or_task_name: str, task_featu
 
 
 def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, model_dir: str, manager,
-                          train_iterator, seed: int) -> Tuple[steps.TrainState, List[str]]:
+                          train_iterator, seed: int, before_loading: Callable[[int], None] = lambda step: None
+                          ) -> Tuple[steps.TrainState, List[str]]:
   """The state a run starts from, and lines that say how it was found (none: fresh):
   - resume: the newest checkpoint that restores intact, with the data iterator where it stopped, if
     `run_config` matches it. Damaged newer ones are named and set aside; if none is intact the run
     stops: it never starts over in a MODEL_DIR that holds checkpoints;
   - imported weights (a weights-only checkpoint from pretrain.import_hf): a fresh state around them;
   - fresh: a new state from `seed`.
+  `before_loading(step)` is called with the step the state will be at before it is made or read (before each
+  checkpoint tried), after the checks that a user's settings fail (a checkpoint's run_config): what runs beside
+  the loading starts there.
   """
   saved = sorted(manager.all_steps(), reverse=True)
   if not saved:
+    before_loading(0)
     return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed)), []
   where = checkpoints.checkpoint_dir(model_dir)
   if not checkpoints.has_data_iterator(model_dir, saved[0]):
+    before_loading(0)
     return _around_imported_weights(setup, model_dir, saved[0], seed), [
         f"starting from the weights in {where}: fresh optimizer, step 0"]
   damaged = []
@@ -72,6 +78,7 @@ def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, m
     if differences:
       raise ConfigError(f"this run does not match the checkpoint at step {step} in {where} ({'; '.join(differences)})"
                         ": resume with the checkpoint's settings, or train in a new MODEL_DIR")
+    before_loading(step)
     try:
       state, restore_notes = checkpoints.restore(manager, step, setup.sharded_abstract_state(), train_iterator)
     except checkpoints.DamagedCheckpoint as e:
@@ -134,27 +141,42 @@ def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, m
       "or raise WARMUP_STEPS, then resume")
 
 
-class _Fetched:
-  """`fetch()`, called in a thread of its own; `result()` waits for its value or raises its error. The thread
-  is a daemon: a fetch that hangs does not keep the process from ending."""
+class _Background:
+  """`work()`, called in a thread of its own; `result()` waits for its value or raises its error. The thread is a
+  daemon: a read that hangs does not keep the process from ending. But a process must not end while the thread
+  is in native code that returns to Python (an XLA compile: Python's exit would abort it), so `result()` or
+  `wait()` is called before any ordinary exit."""
 
-  def __init__(self, fetch: Callable[[], Any]):
+  def __init__(self, work: Callable[[], Any], name: str):
     self._value, self._error, self._done = None, None, threading.Event()
-    threading.Thread(target=self._run, args=(fetch,), daemon=True, name="first-batch").start()
+    self.seconds = 0.0  # what work() took
+    threading.Thread(target=self._run, args=(work,), daemon=True, name=name).start()
 
-  def _run(self, fetch) -> None:
+  def _run(self, work) -> None:
+    began = time.time()
     try:
-      self._value = fetch()
+      self._value = work()
     except BaseException as e:  # given to the caller of result()
       self._error = e
     finally:
+      self.seconds = time.time() - began
       self._done.set()
 
-  def result(self):
+  def wait(self) -> None:
     self._done.wait()  # a signal's handler still runs (and may raise) while this waits
+
+  def result(self):
+    self.wait()
     if self._error is not None:
       raise self._error
     return self._value
+
+
+def _compile_train_step(setup: steps.Setup):
+  """The train step compiled ahead of time for the state's and a batch's shapes and shardings: what a thread of
+  its own runs, under the trace context the main thread's is in (thread-local)."""
+  with partitioning.tracing_context(setup.mesh, setup.rules):
+    return steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes()).compile()
 
 
 @signals.handled
@@ -178,6 +200,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
   `data_shards`: how many seqio shards make up the global batch (default: one per process).
+  The train step compiles in a thread beside the state's restore or init, from the state's shapes and shardings.
   Each logged step shows the speed of the steps since the last one (`pretrain.throughput`): step time,
   examples and tokens per second, MFU and the share of time spent waiting for input. The next batch is
   put on the devices while a step runs. `profile_steps` (first, last): a trace of those steps in
@@ -215,9 +238,23 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       if eval_every_steps and data.has_split("validation"):
         data.check_examples("validation", say=say)  # now, not at the first eval
     saver = checkpoints.Saver(model_dir, keep_checkpoints, train_iterator, run_config.to_json(), say, save_attempts)
-    signals.at("restoring or initializing the train state")
+    # The train step compiles beside the state's restore or init: it needs only their shapes and shardings.
+    compiling: List[_Background] = []
+
+    def compile_beside(step_loaded: int) -> None:
+      if step_loaded < train_steps and not compiling:
+        compiling.append(_Background(lambda: _compile_train_step(setup), name="train-step-compile"))
+
+    signals.at("restoring or initializing the train state (the train step compiles meanwhile)")
     state_began = time.time()
-    state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed)
+    try:
+      state, notes = restore_or_initialize(setup, run_config, model_dir, saver.manager, train_iterator, seed,
+                                           before_loading=compile_beside)
+    except Exception:
+      for background in compiling:  # an exit while it compiles would abort the process
+        say("waiting for the train step's compile to end before stopping")
+        background.wait()
+      raise
     events.state_ready(time.time() - state_began, int(state.step),
                        int(jax.device_get(optimizers.skipped_updates(state.opt_state)["skipped_steps"])))
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
@@ -228,7 +265,6 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           f"process stopped while saving, to be removed before the next save: {', '.join(unfinished)}")
     for note in notes:
       say(note)
-    step_fn = steps.jit_train_step(setup)
     eval_fn = events.compiled_on_first_call(steps.jit_eval_step(setup), "eval_step")
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     say(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
@@ -238,12 +274,12 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     batch = None
     if step < train_steps:
       # The first batch's start-up (reading, tokenizing, filling the shuffle buffers) happens once, while the
-      # step compiles (each mostly in native code, on a core of its own), and is not counted as waiting. The
-      # step is compiled here, not at its first call, so that a signal meanwhile stops the run.
-      first_batch = _Fetched(lambda: next(train_iterator))
+      # step compiles (each mostly in native code, on a core of its own), and is not counted as waiting.
+      first_batch = _Background(lambda: next(train_iterator), name="first-batch")
       signals.at("compiling the train step")
-      with events.timed("compile", what="train_step"):
-        step_fn = step_fn.lower(state, setup.sharded_batch_shapes()).compile()
+      waited = time.time()
+      step_fn = compiling[0].result()
+      events.record("compile", what="train_step", seconds=time.time() - waited, overall_seconds=compiling[0].seconds)
       profiler.use_program(step_fn)
       signals.at("waiting for the first batch")
       batch = partitioning.global_batch(first_batch.result(), mesh)

@@ -46,9 +46,11 @@ def test_fitting_layouts_are_ranked_by_estimated_step_time(searched):
   best = re.search(r"^best: (.+); train with:$", out, re.MULTILINE).group(1)
   assert best == rows[0][0]
   # Each compile says what it compiles and how long it took; a layout with more of fsdp, microbatches or
-  # remat than a fitting one is not compiled.
+  # remat than a fitting one is not compiled, except that a tiny model's step is bound by HBM traffic, which
+  # fsdp divides: so fsdp 2 is compiled beside each model split's fitting fsdp 1, found slower, and no more.
   assert re.search(r"^\[1\] data=8 mb=1 remat=none unrolled: 1 layer\(s\) \d+ s$", out, re.MULTILINE), out
-  assert re.search(r"102 layouts, 2 compiles in \d+ s; not compiled: 98 dominated", out), out
+  assert re.search(r"^\[2\] data=4 fsdp=2 mb=1 remat=none unrolled: 1 layer\(s\) \d+ s$", out, re.MULTILINE), out
+  assert re.search(r"102 layouts, 4 compiles in \d+ s; not compiled: 94 dominated", out), out
 
 
 def test_the_written_run_file_trains_with_the_chosen_layout(searched, tmp_path, demo_paths):
@@ -82,10 +84,11 @@ def test_nothing_fits_exits_2_with_the_slice_that_would_hold_the_state():
 class MadeUpSearch(plan_search.LayoutSearch):
   """A search of one model size's meshes (fsdp 1, 2, 4) whose estimates are made up, not compiled: HBM is
   the mesh's state plus activations that halve with each remat policy and shrink with the microbatches;
-  time grows with each of fsdp, microbatches and remat."""
+  compute time grows with each of fsdp, microbatches and remat, and HBM traffic's time is HBM_SECONDS."""
   STATE = {1: 40, 2: 25, 4: 12}  # by fsdp
   ACTIVATIONS = {"none": 80, "dots": 40, "full": 20}  # with one microbatch
   LIMIT = 100
+  HBM_SECONDS = {1: 0.0, 2: 0.0, 4: 0.0}  # by fsdp
 
   def __init__(self):  # none of a real search's run, slice or compiles
     self.discarded, self.deadline, self.estimated = {}, float("inf"), []
@@ -100,21 +103,43 @@ class MadeUpSearch(plan_search.LayoutSearch):
     self.estimated.append(layout)
     fsdp = layout.mesh_shape["fsdp"]
     hbm = self.STATE[fsdp] + self.ACTIVATIONS[layout.remat] / layout.microbatches
-    plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), headroom=1 - hbm / self.LIMIT)
+    compute = 1 + fsdp / 10 + layout.microbatches / 10 + plan_search.REMAT_POLICIES.index(layout.remat) / 10
+    times = {"compute": compute, "HBM": self.HBM_SECONDS[fsdp], "communication": 0.0}
+    plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), headroom=1 - hbm / self.LIMIT,
+                                 step_seconds=lambda: times, overlapped_seconds=lambda: max(times.values()))
     return plan_search.Candidate(layout, plan)
 
 
+MESHES = [(("replica", 1), ("data", 4 // fsdp), ("fsdp", fsdp), ("model", 1)) for fsdp in (1, 2, 4)]
+
+
+def explored(search: MadeUpSearch) -> dict:
+  """{(fsdp, microbatches, remat): fits} of the layouts the search estimated."""
+  estimates = search.explore_model_split(MESHES, {mesh: search.STATE[dict(mesh)["fsdp"]] for mesh in MESHES})
+  return {(layout.mesh_shape["fsdp"], layout.microbatches, layout.remat): candidate.fits
+          for layout, candidate in zip(search.estimated, estimates)}
+
+
 def test_the_search_compiles_no_layout_that_a_fitting_one_dominates_or_that_cannot_fit():
-  search = MadeUpSearch()
-  meshes = [(("replica", 1), ("data", 4 // fsdp), ("fsdp", fsdp), ("model", 1)) for fsdp in (1, 2, 4)]
-  estimates = search.explore_model_split(meshes, {mesh: search.STATE[dict(mesh)["fsdp"]] for mesh in meshes})
-  tried = {(layout.mesh_shape["fsdp"], layout.microbatches, layout.remat): candidate.fits
-           for layout, candidate in zip(search.estimated, estimates)}
+  tried = explored(MadeUpSearch())
   # No remat and one microbatch: fsdp 1 is compiled and too big (40 + 80); its activations then rule out
   # fsdp 2 (25 + 80) before compiling; fsdp 4 fits, with 8% free (12 + 80): too little to dominate others.
   # Two microbatches fit on fsdp 1 (40 + 40), and so do dots with one microbatch (40 + 40). These dominate
   # every layout with at least as much fsdp, microbatches and remat: nothing else is compiled, no 'full'.
   assert tried == {(1, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True, (1, 1, "dots"): True}
+
+
+def test_where_hbm_traffic_bounds_a_fitting_layout_more_fsdp_is_estimated_while_it_is_faster():
+  """fsdp divides the optimizer's HBM traffic: BERT-Large's step at a small batch is bound by it."""
+  search = MadeUpSearch()
+  search.HBM_SECONDS = {1: 3.0, 2: 2.0, 4: 2.5}  # fsdp 2 halves the optimizer's traffic; 4 pays more in gathers
+  tried = explored(search)
+  # One microbatch without remat: fsdp 1 is too big, fsdp 2 is ruled out by its measured activations, fsdp 4
+  # fits with too little free. Two microbatches fit on fsdp 1, bound by HBM: fsdp 2 is estimated, faster,
+  # still bound by HBM, so fsdp 4 is too: slower, so no more. dots with one microbatch fit on fsdp 1, and
+  # the same walk follows. The compute-bound search above stops at the first fitting mesh of each row instead.
+  assert tried == {(1, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True, (2, 2, "none"): True,
+                   (4, 2, "none"): True, (1, 1, "dots"): True, (2, 1, "dots"): True, (4, 1, "dots"): True}
 
 
 def test_max_minutes_stops_the_search_and_reports_what_it_has():

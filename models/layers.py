@@ -177,7 +177,7 @@ class AttentionMask:
 # Attention implementations. 'xla' writes out the [b, heads, q, k] scores and probabilities; the fused
 # kernels never do, but take no dropout on the probabilities (cuDNN's has it underneath, with a seed fixed at
 # compile time: not exposed by JAX). 'auto' is resolved per chip by `attention_for_device`.
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "splash")
 
 
 def attention_for_device(device) -> str:
@@ -200,11 +200,11 @@ def fused_attention_applies(implementation: str, *, dtype, head_dim: int, query_
                             dropout_rate: float, deterministic: bool) -> bool:
   """Whether `implementation`'s kernel computes this attention exactly as XLA's would; where it cannot
   (probability dropout in training, fp32 compute, shapes the kernel does not tile), XLA's runs instead."""
-  if implementation not in ("cudnn", "pallas") or (dropout_rate > 0 and not deterministic):
+  if implementation not in ("cudnn", "pallas", "splash") or (dropout_rate > 0 and not deterministic):
     return False
   if implementation == "cudnn":  # cuDNN's flash attention: half precision, head dims up to 128 in steps of 8
     return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and head_dim % 8 == 0 and head_dim <= 128
-  return query_length % 128 == 0 and key_length % 128 == 0  # Pallas flash attention's default blocks
+  return query_length % 128 == 0 and key_length % 128 == 0  # the Pallas kernels' blocks
 
 
 def dot_product_attention(query, key, value, mask: AttentionMask, *, implementation: str, dropout: nn.Dropout,
@@ -219,9 +219,8 @@ def dot_product_attention(query, key, value, mask: AttentionMask, *, implementat
     implementation = attention_for_device(jax.devices()[0])
   if fused_attention_applies(implementation, dtype=query.dtype, head_dim=head_dim, query_length=query_length,
                              key_length=key_length, dropout_rate=dropout.rate, deterministic=deterministic):
-    if implementation == "cudnn":
-      return _cudnn_attention(query, key, value, mask)
-    return _pallas_attention(query, key, value, mask)
+    fused = {"cudnn": _cudnn_attention, "pallas": _pallas_attention, "splash": _splash_attention}[implementation]
+    return fused(query, key, value, mask)
   query = query / jnp.sqrt(head_dim).astype(query.dtype)
   # Bias and softmax in fp32: bf16 loses too much in the normaliser, and the fp32 "masked" bias would
   # round to -inf in bf16, turning fully masked (padding) rows into NaN.
@@ -242,34 +241,76 @@ def _cudnn_attention(query, key, value, mask: AttentionMask) -> jax.Array:
 
 
 def _pallas_attention(query, key, value, mask: AttentionMask) -> jax.Array:
-  """Pallas flash attention on TPU, per device under the mesh (a kernel is not partitioned by XLA): batch
-  and heads split as the logical axis rules split the activations, each device attending over whole rows."""
+  """Pallas flash attention on TPU (jax's first TPU kernel: separate dq and dk/dv backward kernels)."""
   from jax.experimental.pallas.ops.tpu import flash_attention as flash  # TPU-only module, imported on use
+
+  def attend(q, k, v, segments):
+    segment_ids = None if segments is None else flash.SegmentIds(*segments)
+    return flash.flash_attention(q, k, v, segment_ids=segment_ids, causal=mask.causal,
+                                 sm_scale=1.0 / math.sqrt(q.shape[-1]))
+
+  return _per_device(attend, query, key, value, mask)
+
+
+def _splash_attention(query, key, value, mask: AttentionMask) -> jax.Array:
+  """Pallas splash attention on TPU: one fused backward kernel, which computes the scores once for dq, dk
+  and dv, and queries, keys and values laid out with the sequence minor, so that a head_dim under 128 is
+  not padded to the 128 lanes of a TPU tile."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+  query_length, key_length, head_dim = query.shape[1], key.shape[1], query.shape[-1]
+  seq_minor = splash.QKVLayout.SEQ_MINOR if head_dim < 128 else splash.QKVLayout.HEAD_DIM_MINOR
+  block_q, block_kv = _splash_block(query_length), _splash_block(key_length)
+  blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_q_dkv=block_q, block_kv_dkv=block_kv,
+                             use_fused_bwd_kernel=True, q_layout=seq_minor, k_layout=seq_minor, v_layout=seq_minor)
+  head_mask = (masks.CausalMask((query_length, key_length)) if mask.causal
+               else masks.FullMask((query_length, key_length)))
+
+  def attend(q, k, v, segments):
+    kernel = splash.make_splash_mha(masks.MultiHeadMask([head_mask] * q.shape[1]), head_shards=1, q_seq_shards=1,
+                                    block_sizes=blocks)
+    q = q / jnp.sqrt(head_dim).astype(q.dtype)  # splash takes no softmax scale
+    if segments is None:
+      return jax.vmap(kernel)(q, k, v)
+    return jax.vmap(lambda *row: kernel(*row[:3], segment_ids=splash.SegmentIds(*row[3:])))(q, k, v, *segments)
+
+  return _per_device(attend, query, key, value, mask)
+
+
+def _splash_block(length: int) -> int:
+  """Splash attention's block along a sequence: the whole of one up to 512 (no block is read twice), else the
+  largest of 512, 256 and 128 that divides it."""
+  return next(block for block in (512, 256, 128) if length % block == 0)
+
+
+def _per_device(attend, query, key, value, mask: AttentionMask) -> jax.Array:
+  """`attend(q, k, v, segments)` of a Pallas TPU kernel, on [batch, heads, length, head_dim] arrays, run per
+  device under the mesh (a kernel is not partitioned by XLA): batch and heads split as the logical axis rules
+  split the activations, each device attending over whole rows. `segments`: None, or the (query, key)
+  segment ids [batch, length] that express padding: real positions are segment 1, padding 0, and a query
+  attends only within its segment."""
   segments = None
   if mask.query_valid is not None or mask.key_valid is not None:
-    # Padding as segments: real positions are segment 1, padding 0, and a query attends only within its segment.
     batch, query_length, key_length = query.shape[0], query.shape[1], key.shape[1]
     as_ids = lambda valid, length: (jnp.ones((batch, length), jnp.int32) if valid is None
                                     else jnp.broadcast_to(valid, (batch, length)).astype(jnp.int32))
-    segments = flash.SegmentIds(q=as_ids(mask.query_valid, query_length), kv=as_ids(mask.key_valid, key_length))
+    segments = (as_ids(mask.query_valid, query_length), as_ids(mask.key_valid, key_length))
 
-  def attend(q, k, v, segment_ids):
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernel's [batch, heads, length, head_dim]
-    out = flash.flash_attention(q, k, v, segment_ids=segment_ids, causal=mask.causal,
-                                sm_scale=1.0 / math.sqrt(q.shape[-1]))
-    return jnp.swapaxes(out, 1, 2)
+  def heads_major(q, k, v, segments):
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernels' [batch, heads, length, head_dim]
+    return jnp.swapaxes(attend(q, k, v, segments), 1, 2)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return attend(query, key, value, segments)
+    return heads_major(query, key, value, segments)
   batch_axes, _, heads_axes, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS_KV)
   # An axis the mesh does not divide (init's one example row) is whole on every device.
   batch_axes = _if_dividing(batch_axes, query.shape[0], mesh)
   heads_axes = _if_dividing(heads_axes, query.shape[2], mesh)
   heads_spec = jax.sharding.PartitionSpec(batch_axes, None, heads_axes, None)  # whole rows on every device
   rows_spec = jax.sharding.PartitionSpec(batch_axes, None)
-  segment_spec = None if segments is None else flash.SegmentIds(q=rows_spec, kv=rows_spec)
-  return jax.shard_map(attend, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec),
+  segment_spec = None if segments is None else (rows_spec, rows_spec)
+  return jax.shard_map(heads_major, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec),
                        out_specs=heads_spec, check_vma=False)(query, key, value, segments)
 
 

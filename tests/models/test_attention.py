@@ -2,7 +2,10 @@
 
 cuDNN's kernel needs an NVIDIA GPU: here its arguments (padding as sequence lengths, causal) go to the
 same jax.nn.dot_product_attention with implementation='xla', which must match ours at every real
-position. The Pallas TPU flash kernel runs in Pallas's TPU interpret mode, values and gradients."""
+position. The Pallas TPU kernels (flash and splash attention) run in Pallas's TPU interpret mode, values and
+gradients."""
+import contextlib
+import functools
 import types
 
 import flax.linen as nn
@@ -58,7 +61,15 @@ def test_cudnn_arguments_give_our_attention(case):
 
 
 @pytest.mark.parametrize("case", sorted(MASKS))
-def test_pallas_flash_attention_matches_xla_values_and_gradients(case):
+@pytest.mark.parametrize("kernel", ["pallas", "splash"])
+def test_pallas_kernels_match_xla_values_and_gradients(kernel, case, monkeypatch):
+  interpreted = pltpu.force_tpu_interpret_mode()
+  if kernel == "splash":
+    # Pallas's TPU interpreter cannot run a kernel vmapped over the batch (its grid then has one dimension
+    # more than the kernel's dimension semantics); its generic interpreter runs the same kernel.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    monkeypatch.setattr(splash, "make_splash_mha", functools.partial(splash.make_splash_mha, interpret=True))
+    interpreted = contextlib.nullcontext()
   mask, real_queries = MASKS[case]
   q, k, v = qkv(1)
   weights = jnp.asarray(real_queries, jnp.float32)[:, :, None, None]  # the loss reads real positions only
@@ -68,9 +79,9 @@ def test_pallas_flash_attention_matches_xla_values_and_gradients(case):
 
   # Jitted and waited for: the interpreter runs JAX ops in callbacks from inside the program, and eager ops
   # dispatched meanwhile (an eager backward pass) can queue behind it and deadlock.
-  with pltpu.force_tpu_interpret_mode():
+  with interpreted:
     fused_value, fused_grads = jax.block_until_ready(
-        jax.jit(jax.value_and_grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v))
+        jax.jit(jax.value_and_grad(loss(kernel), argnums=(0, 1, 2)))(q, k, v))
   value, grads = jax.value_and_grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
   np.testing.assert_allclose(fused_value, value, rtol=1e-4)
   for fused_grad, grad in zip(fused_grads, grads):

@@ -109,7 +109,12 @@ def parse_instruction(name: str, text: str) -> HloInstruction:
 
 def parse_hlo(text: str) -> tuple:
   """HLO module text -> ({computation name: HloComputation}, the entry computation's name)."""
-  computations, entry, current = {}, None, None
+  computations, entry, current, last = {}, None, None, None  # last: the instruction read last, [name, text]
+
+  def add(instruction) -> None:
+    if instruction:
+      current.instructions[instruction[0]] = parse_instruction(*instruction)
+
   for line in text.splitlines():
     if current is None:
       header = _COMPUTATION.match(line)
@@ -117,12 +122,16 @@ def parse_hlo(text: str) -> tuple:
         current = computations[header.group(1)] = HloComputation({}, "")
         entry = header.group(1) if line.startswith("ENTRY") else entry
     elif line == "}":
-      current = None
+      add(last)
+      current = last = None
     else:
       head = _INSTRUCTION.match(line)
       if head:
-        current.instructions[head.group(1)] = parse_instruction(head.group(1), line[head.end():])
+        add(last)
+        last = [head.group(1), line[head.end():]]
         current.root = head.group(1) if line.lstrip().startswith("ROOT ") else current.root
+      elif last:  # an attribute that spans lines (a Pallas kernel's metadata)
+        last[1] += "\n" + line
   return computations, entry
 
 

@@ -8,9 +8,11 @@ matmul FLOPs, and the HBM bytes its blocks move, counted by walking each kernel'
 pipelines it (a block is fetched when its index differs from the previous grid step's, and an output
 block written back likewise), each block at its size in the operand's tiled layout (a head_dim of 64
 fills the 128 lanes of its tiles). The block sizes are in the backward kernels' names; the forward's are
-jax's defaults, which models.layers leaves in place. A causal kernel is counted as a full one (its
-skipped blocks are not credited), so the fused path's figures are if anything high. Any other kernel
-keeps its declared cost, and the plan says how many did.
+jax's defaults, which models.layers leaves in place. Splash attention's forward and fused backward kernels
+(vmapped over the batch rows) are counted where each sequence is one block, as models.layers blocks lengths
+up to 512: every operand and output then moves once. A causal kernel is counted as a full one (its skipped
+blocks are not credited), so the fused path's figures are if anything high. Any other kernel keeps its
+declared cost, and the plan says how many did.
 """
 import dataclasses
 import itertools
@@ -90,9 +92,14 @@ def _dims(hlo_type: str) -> List[tuple]:
 
 
 def _kind(instruction: HloInstruction):
-  """'forward', 'dkv', 'dq', or None for a kernel other than flash attention."""
+  """Flash attention's 'forward', 'dkv' or 'dq', splash attention's 'splash_forward' or 'splash_backward' (its
+  fused backward kernel), or None for another kernel."""
   op_name = re.search(r'op_name="([^"]*)"', instruction.attributes)
   scope = op_name.group(1) if op_name else ""
+  if "splash_mha_fwd" in scope:
+    return "splash_forward"
+  if "splash_mha_dkv" in scope and any(len(dims) == 5 for dims in _dims(instruction.type)):
+    return "splash_backward"  # fused: it also writes dq, a partial per key block [rows, key blocks, heads, q, d]
   if "flash_mha_bwd_dkv" in scope:
     return "dkv"
   if "flash_mha_bwd_dq" in scope:
@@ -149,6 +156,40 @@ def flash_cost(kind: str, instruction: HloInstruction, operand_types: List[str])
   return float(kernel.matmul_flops_per_qkd * batch * heads * q_length * k_length * head_dim), moved
 
 
+# Splash forward: S = QKᵀ, O = PV. Its fused backward: S again, dP = dO Vᵀ, dV = PᵀdO, dK = dSᵀQ, dQ = dS K.
+_SPLASH_MATMUL_FLOPS_PER_QKD = {"splash_forward": 4, "splash_backward": 10}
+_SPLASH_BLOCKS = {"splash_forward": ("block_q", "block_kv"), "splash_backward": ("block_q_dkv", "block_kv_dkv")}
+_SEQ_MINOR = 2  # splash's QKVLayout.SEQ_MINOR: [..., head_dim, length]
+
+
+class NotCounted(ValueError):
+  """A kernel configuration whose traffic is not counted here: it keeps its declared cost."""
+
+
+def splash_cost(kind: str, instruction: HloInstruction, operand_types: List[str]) -> tuple:
+  """(FLOPs, HBM bytes) of one splash attention kernel, vmapped over the batch rows, from its operands' shapes and
+  the block sizes in its metadata. Counted where each sequence is one block (models.layers' blocks for lengths
+  up to 512): the grid then visits every (row, head) once, so each operand and output moves once; the scalar
+  prefetch tables and the scratch outputs, whose blocks change with the row only, also once."""
+  metadata = re.search(r'"xprof_metadata":"(\{.*?\})"', instruction.attributes)
+  if not metadata:
+    raise NotCounted(f"splash kernel {instruction.name} carries no block sizes")
+  blocks = json.loads(metadata.group(1).replace('\\"', '"'))
+  arrays = [t for t in operand_types if len(_dims(t)[0]) == 4 and not t.startswith(("s", "u", "pred"))]
+  if len(arrays) < 3:
+    raise NotCounted(f"splash kernel {instruction.name} has {len(arrays)} query, key and value operands; expected 3")
+  (batch, heads, *q_dims), (_, _, *k_dims) = _dims(arrays[0])[0], _dims(arrays[1])[0]
+  seq_minor = blocks["q_layout"] == _SEQ_MINOR
+  (head_dim, q_length), k_length = (q_dims if seq_minor else q_dims[::-1]), k_dims[1 if seq_minor else 0]
+  q_block, k_block = (blocks[name] for name in _SPLASH_BLOCKS[kind])
+  if (q_block, k_block) != (q_length, k_length):
+    raise NotCounted(f"splash kernel {instruction.name} has blocks of {q_block} x {k_block} over {q_length} x "
+                     f"{k_length}: only one block per sequence is counted")
+  moved = sum(_tiled_bytes(t) for t in operand_types + _output_types(instruction.type))
+  flops = _SPLASH_MATMUL_FLOPS_PER_QKD[kind] * batch * heads * q_length * k_length * head_dim
+  return float(flops), float(moved)
+
+
 def _output_types(hlo_type: str) -> List[str]:
   return tuple_elements(hlo_type) if hlo_type.startswith("(") else [hlo_type]
 
@@ -163,10 +204,13 @@ def kernel_costs(hlo_text: str) -> KernelCosts:
         continue
       declared_flops, declared_bytes = _declared(instruction)
       kind = _kind(instruction)
-      if kind is None:
+      operand_types = [computation.instructions[name].type for name in instruction.operands]
+      try:
+        if kind is None:
+          raise NotCounted(instruction.name)
+        cost = (splash_cost if kind.startswith("splash") else flash_cost)(kind, instruction, operand_types)
+        kernel = KernelCosts(declared_flops, declared_bytes, *cost, counted=1)
+      except NotCounted:
         kernel = KernelCosts(declared_flops, declared_bytes, declared_flops, declared_bytes, self_reported=1)
-      else:
-        operand_types = [computation.instructions[name].type for name in instruction.operands]
-        kernel = KernelCosts(declared_flops, declared_bytes, *flash_cost(kind, instruction, operand_types), counted=1)
       total = total.plus(kernel, 1)
   return total

@@ -96,7 +96,7 @@ def kernel_lines(k) -> list:
   """What the Pallas kernels among those figures cost, and what they said of themselves."""
   lines = []
   if k.counted:
-    lines.append(f"Pallas flash attention: {k.counted:.0f} kernels, counted from their blocks: {k.flops:.3e} FLOPs, "
+    lines.append(f"Pallas attention: {k.counted:.0f} kernels, counted from their blocks: {k.flops:.3e} FLOPs, "
                  f"{k.bytes_accessed:.3e} bytes (their own estimates: {k.declared_flops:.3e} FLOPs, "
                  f"{k.declared_bytes:.3e} bytes; loop bodies once)")
   if k.self_reported:

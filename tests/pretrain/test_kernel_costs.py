@@ -115,3 +115,47 @@ backend_config={{"custom_call_config":{{"cost_estimate":{{"flops":"50","bytes_ac
   assert (costs.counted, costs.self_reported) == (1, 1)
   assert (costs.declared_flops, costs.declared_bytes) == (1050, 307)
   assert (costs.flops, costs.bytes_accessed) == (flash_flops + 50, flash_bytes + 7)
+
+
+def splash_program(block: int, length: int = 512) -> str:
+  """A step's splash attention kernels as XLA prints them: vmapped over the rows, queries, keys and values laid
+  out sequence-minor, the block sizes in metadata that spans lines, no cost estimate."""
+  seq_minor = f"bf16[{BATCH},{HEADS},{DIM},{length}]{{3,2,1,0:T(8,128)(2,1)}}"
+  head_minor = f"bf16[{BATCH},{HEADS},{length},{DIM}]{{3,2,1,0:T(8,128)(2,1)}}"  # 64 lanes of 128 used
+  logsumexp, prefetch = f"f32[{BATCH},{HEADS},{length},128]", "s8[1,1,1]"
+  dq = f"bf16[{BATCH},{length // block},{HEADS},{length},{DIM}]{{4,3,2,1,0:T(8,128)(2,1)}}"
+
+  def splash(name, result, operands, blocks):
+    metadata = ", ".join(f'\\"{key}\\": {value}' for key, value in blocks.items())
+    return (f"  %{name} = {result} custom-call({operands}), custom_call_target=\"tpu_custom_call\", "
+            f"frontend_attributes={{kernel_metadata={{\n\"xprof_metadata\":\"{{{metadata}, \\\"q_layout\\\": 2}}\"\n"
+            f"}}}}, metadata={{op_name=\"jit(step)/vmap(static_sparsity_splash)/{name.split('.')[0]}/pallas_call\"}}")
+
+  return "\n".join([
+      "HloModule step", "",
+      f"ENTRY %main (q: {seq_minor}, t: {prefetch}, o: {head_minor}) -> ({seq_minor}, {seq_minor}, {dq}) {{",
+      f"  %q = {seq_minor} parameter(0)", f"  %t = {prefetch} parameter(1)", f"  %o = {head_minor} parameter(2)",
+      splash("splash_mha_fwd_residuals.1", f"({head_minor}, {logsumexp})", "%t, %t, %q, %q, %q",
+             {"block_q": block, "block_kv": block}),
+      f"  %lse = {logsumexp} get-tuple-element(%splash_mha_fwd_residuals.1), index=1",
+      splash("splash_mha_dkv_no_residuals.2", f"({seq_minor}, {seq_minor}, {dq})", "%t, %t, %q, %q, %q, %o, %lse",
+             {"block_q_dkv": block, "block_kv_dkv": block}).replace("%splash_mha_dkv", "ROOT %splash_mha_dkv"),
+      "}", ""])
+
+
+def test_splash_kernels_with_one_block_per_sequence_move_every_operand_once():
+  """Splash's forward (QKᵀ, PV) and fused backward (QKᵀ again, dO Vᵀ, PᵀdO, dSᵀQ, dS K): 4 + 10 products of
+  q·k·d per head. With a block the length of the sequence, the grid visits each row's heads once."""
+  costs = kernel_costs.kernel_costs(splash_program(block=512))
+  assert (costs.counted, costs.self_reported) == (2, 0)
+  assert costs.flops == 14 * BATCH * HEADS * 512 * 512 * DIM
+  seq_minor, head_minor = nbytes(array(512)), 2 * nbytes(array(512))  # head_dim 64 in 128 lanes: twice
+  logsumexp, prefetch = nbytes(array(512, last=128, dtype="f32")), 1
+  forward = 2 * prefetch + 3 * seq_minor + head_minor + logsumexp
+  backward = 2 * prefetch + 3 * seq_minor + head_minor + logsumexp + 2 * seq_minor + head_minor  # ..., dk, dv, dq
+  assert costs.bytes_accessed == forward + backward
+
+
+def test_splash_kernels_with_several_blocks_per_sequence_keep_their_own_estimate():
+  costs = kernel_costs.kernel_costs(splash_program(block=128))
+  assert (costs.counted, costs.self_reported) == (0, 2)

@@ -186,23 +186,24 @@ def test_a_model_that_takes_its_vocabulary_size_from_an_encoder_decoder_task_pla
   assert 0 < total < limit
 
 
-def test_pallas_attention_runs_per_device_in_the_step_of_a_v4_slice():
-  """XLA does not partition a Mosaic kernel: traced under the run's mesh (jax.set_mesh), Pallas flash attention
-  runs per device in shard_map, the batch split over `data` and the heads over `model` (init's one-row example
-  whole). Compiled for a v4-8, the step holds the kernel, forward and backward."""
+@pytest.mark.parametrize("kernel, kernels, products", [("pallas", 3, 4 + 8 + 6), ("splash", 2, 4 + 10)])
+def test_pallas_attention_runs_per_device_in_the_step_of_a_v4_slice(kernel, kernels, products):
+  """XLA does not partition a Mosaic kernel: traced under the run's mesh (jax.set_mesh), Pallas flash or splash
+  attention runs per device in shard_map, the batch split over `data` and the heads over `model` (init's
+  one-row example whole). Compiled for a v4-8, the step holds the kernels, forward and backward."""
   from pretrain import roofline
   with mock.patch.object(roofline, "step_figures", wraps=roofline.step_figures) as figures:
     result = run_plan("--topology=v4:2x2x1", "--gin.MESH_SHAPE={'data': 4, 'model': 2}",
                       "--gin.bert.BertConfig.vocab_size=2048", "--gin.bert.BertConfig.attention_dropout=0.0",
-                      "--gin.bert.BertConfig.attention_implementation='pallas'", ONE_LAYER)
+                      f"--gin.bert.BertConfig.attention_implementation='{kernel}'", ONE_LAYER)
   assert result.returncode == 0, result.stderr[-3000:]
   program = figures.call_args.args[0].as_text()
   assert program.count('custom_call_target="tpu_custom_call"') >= 2, program[:3000]  # 1 layer, fwd + bwd
-  # Costed from the algorithm (pretrain.kernel_costs), not the kernels' own estimates: the forward, dk/dv
-  # and dq kernels of the one layer do 4 + 8 + 6 products of q·k·d per head, on each device's 32 / 4 rows
-  # and 2 / 2 heads of 128 positions.
-  kernels, flops = figure(r"Pallas flash attention: (\d+) kernels, counted from their blocks: ([\d.e+]+) FLOPs",
+  # Costed from the algorithm (pretrain.kernel_costs), not the kernels' own estimates: flash's forward, dk/dv
+  # and dq kernels of the one layer do 4 + 8 + 6 products of q·k·d per head, splash's forward and fused
+  # backward 4 + 10, on each device's 32 / 4 rows and 2 / 2 heads of 128 positions.
+  counted, flops = figure(r"Pallas attention: (\d+) kernels, counted from their blocks: ([\d.e+]+) FLOPs",
                           result.stdout)
-  assert kernels == 3
-  assert flops == pytest.approx(18 * 8 * 1 * 128 * 128 * 64, rel=1e-3)  # printed to 4 digits
+  assert counted == kernels
+  assert flops == pytest.approx(products * 8 * 1 * 128 * 128 * 64, rel=1e-3)  # printed to 4 digits
   assert "of unknown algorithm" not in result.stdout

@@ -182,17 +182,20 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "splash")
 
 def attention_for_device(device) -> str:
   """The fastest attention a device runs exactly: cuDNN's fused kernel on NVIDIA GPUs of compute capability
-  8.0 and later (A100, L4, H100, H200), XLA's elsewhere.
+  8.0 and later (A100, L4, H100, H200); Pallas splash attention on TPU v4 and later; XLA's elsewhere (TPU v2
+  and v3, whose Mosaic has no bf16 x bf16 -> fp32 matmul; CPUs).
 
-  TPUs stay on XLA's. Pallas flash attention ('pallas') runs on TPU v4 and later (v3's Mosaic has no
-  bf16 x bf16 -> fp32 matmul), per device under shard_map over the mesh the steps are traced with, and
-  compiles for a slice. But costed from its algorithm and blocks (pretrain.kernel_costs), it plans no
-  faster than XLA's attention and in more HBM (a head_dim of 64 fills 128 lanes): BART-large >= 1.76 s and
-  10.63 GiB per core against 1.58 s and 7.73 GiB on a v4-128, 0.75 s and 9.94 GiB against 0.58 s and 8.01
-  GiB on a v5litepod-256; ALBERT-xxlarge a draw in time, 0.5-1.6 GiB more (the v4_128 and v5litepod_256
-  run files)."""
+  On TPUs the choice is the plans' (`pretrain.plan`, with the kernels costed from their algorithm and blocks
+  by pretrain.kernel_costs; libtpu 0.0.42.1): splash attention plans BART-large on a v5litepod-256 at >= 0.44 s
+  per step in 5.69 GiB per chip, against XLA's attention's 0.58 s in 8.01 GiB (on a v4-128, 1.00 s and 6.50
+  GiB per core against 1.58 s and 7.73 GiB), and ALBERT-xxlarge and
+  BERT-Large within 0.3% of XLA's time in as much HBM or less (the v4_128 and v5litepod_256 run files).
+  Pallas flash attention ('pallas') plans slower than both: a head_dim of 64 fills 128 lanes in its layout,
+  and its backward computes the scores twice."""
   if device.platform in ("gpu", "cuda") and "NVIDIA" in device.device_kind.upper():
     return "cudnn" if float(getattr(device, "compute_capability", 0) or 0) >= 8.0 else "xla"
+  if device.platform == "tpu" and not re.match(r"TPU v[23]\b", device.device_kind):
+    return "splash"
   return "xla"
 
 

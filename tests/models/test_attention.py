@@ -111,8 +111,11 @@ def device(platform, kind, compute_capability=None):
     (device("gpu", "NVIDIA H200", "9.0"), "cudnn"),
     (device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), "cudnn"),
     (device("gpu", "Tesla V100-SXM2-16GB", "7.0"), "xla"),
-    (device("tpu", "TPU v3"), "xla"),
-    (device("tpu", "TPU v5 lite"), "xla"),  # Pallas flash attention plans no faster there (layers.py)
+    (device("tpu", "TPU v2"), "xla"),
+    (device("tpu", "TPU v3"), "xla"),  # Mosaic has no bf16 x bf16 -> fp32 matmul there
+    (device("tpu", "TPU v4"), "splash"),
+    (device("tpu", "TPU v5 lite"), "splash"),
+    (device("tpu", "TPU v6 lite"), "splash"),
     (device("cpu", "cpu"), "xla"),
 ])
 def test_auto_picks_the_chips_fused_kernel(chip, expected):

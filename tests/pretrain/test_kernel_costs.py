@@ -1,4 +1,4 @@
-"""Pallas kernels are costed from flash attention's algorithm and blocks, not from their own estimates.
+"""Pallas kernels are costed from flash and splash attention's algorithms and blocks, not from their own estimates.
 
 Expected figures are worked out here from the kernels' design (jax.experimental.pallas.ops.tpu.flash_attention):
 the forward keeps a query block while it walks the key blocks, so keys and values are read once per query

@@ -189,7 +189,7 @@ def attention_for_device(device) -> str:
   by pretrain.kernel_costs; libtpu 0.0.42.1): splash attention plans BART-large on a v5litepod-256 at >= 0.44 s
   per step in 5.69 GiB per chip, against XLA's attention's 0.58 s in 8.01 GiB (on a v4-128, 1.00 s and 6.50
   GiB per core against 1.58 s and 7.73 GiB), and ALBERT-xxlarge and
-  BERT-Large within 0.3% of XLA's time in as much HBM or less (the v4_128 and v5litepod_256 run files).
+  BERT-Large within 0.5% of XLA's time in as much HBM or less (the v4_128 and v5litepod_256 run files).
   Pallas flash attention ('pallas') plans slower than both: a head_dim of 64 fills 128 lanes in its layout,
   and its backward computes the scores twice."""
   if device.platform in ("gpu", "cuda") and "NVIDIA" in device.device_kind.upper():

@@ -17,6 +17,7 @@ declared cost, and the plan says how many did.
 import dataclasses
 import itertools
 import json
+import math
 import re
 from typing import List
 
@@ -98,8 +99,10 @@ def _kind(instruction: HloInstruction):
   scope = op_name.group(1) if op_name else ""
   if "splash_mha_fwd" in scope:
     return "splash_forward"
-  if "splash_mha_dkv" in scope and any(len(dims) == 5 for dims in _dims(instruction.type)):
-    return "splash_backward"  # fused: it also writes dq, a partial per key block [rows, key blocks, heads, q, d]
+  if "splash_mha_dkv" in scope:
+    ranks = [len(dims) for dims in _dims(instruction.type)]
+    # Fused, it writes dq besides dk and dv (last), one partial per key block: an axis more.
+    return "splash_backward" if max(ranks) > ranks[-1] else None
   if "flash_mha_bwd_dkv" in scope:
     return "dkv"
   if "flash_mha_bwd_dq" in scope:
@@ -175,10 +178,13 @@ def splash_cost(kind: str, instruction: HloInstruction, operand_types: List[str]
   if not metadata:
     raise NotCounted(f"splash kernel {instruction.name} carries no block sizes")
   blocks = json.loads(metadata.group(1).replace('\\"', '"'))
-  arrays = [t for t in operand_types if len(_dims(t)[0]) == 4 and not t.startswith(("s", "u", "pred"))]
+  # Queries, keys and values are its first floating-point operands: [rows, heads, ...] (no rows axis where a
+  # device has one row) after the scalar prefetch tables.
+  arrays = [t for t in operand_types if t.startswith(("f", "bf")) and len(_dims(t)[0]) >= 3]
   if len(arrays) < 3:
     raise NotCounted(f"splash kernel {instruction.name} has {len(arrays)} query, key and value operands; expected 3")
-  (batch, heads, *q_dims), (_, _, *k_dims) = _dims(arrays[0])[0], _dims(arrays[1])[0]
+  q_shape, k_shape = _dims(arrays[0])[0], _dims(arrays[1])[0]
+  batch, heads, q_dims, k_dims = math.prod(q_shape[:-3]), q_shape[-3], q_shape[-2:], k_shape[-2:]
   seq_minor = blocks["q_layout"] == _SEQ_MINOR
   (head_dim, q_length), k_length = (q_dims if seq_minor else q_dims[::-1]), k_dims[1 if seq_minor else 0]
   q_block, k_block = (blocks[name] for name in _SPLASH_BLOCKS[kind])

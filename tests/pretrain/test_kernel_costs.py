@@ -117,13 +117,17 @@ backend_config={{"custom_call_config":{{"cost_estimate":{{"flops":"50","bytes_ac
   assert (costs.flops, costs.bytes_accessed) == (flash_flops + 50, flash_bytes + 7)
 
 
-def splash_program(block: int, length: int = 512) -> str:
-  """A step's splash attention kernels as XLA prints them: vmapped over the rows, queries, keys and values laid
-  out sequence-minor, the block sizes in metadata that spans lines, no cost estimate."""
-  seq_minor = f"bf16[{BATCH},{HEADS},{DIM},{length}]{{3,2,1,0:T(8,128)(2,1)}}"
-  head_minor = f"bf16[{BATCH},{HEADS},{length},{DIM}]{{3,2,1,0:T(8,128)(2,1)}}"  # 64 lanes of 128 used
-  logsumexp, prefetch = f"f32[{BATCH},{HEADS},{length},128]", "s8[1,1,1]"
-  dq = f"bf16[{BATCH},{length // block},{HEADS},{length},{DIM}]{{4,3,2,1,0:T(8,128)(2,1)}}"
+def splash_program(block: int, length: int = 512, rows: int = BATCH) -> str:
+  """A step's splash attention kernels as XLA prints them: vmapped over the rows (an axis XLA drops where a
+  device has one row), queries, keys and values laid out sequence-minor, the block sizes in metadata that
+  spans lines, no cost estimate."""
+  def tiled(*dims):  # bf16 in (8, 128) tiles
+    dims = ((rows,) if rows > 1 else ()) + dims
+    return f"bf16[{','.join(map(str, dims))}]{{{','.join(map(str, reversed(range(len(dims)))))}:T(8,128)(2,1)}}"
+
+  seq_minor, head_minor = tiled(HEADS, DIM, length), tiled(HEADS, length, DIM)  # head-minor: 64 lanes of 128
+  logsumexp, prefetch = f"f32[{f'{rows},' if rows > 1 else ''}{HEADS},{length},128]", "s8[1,1,1]"
+  dq = tiled(length // block, HEADS, length, DIM)
 
   def splash(name, result, operands, blocks):
     metadata = ", ".join(f'\\"{key}\\": {value}' for key, value in blocks.items())
@@ -133,26 +137,28 @@ def splash_program(block: int, length: int = 512) -> str:
 
   return "\n".join([
       "HloModule step", "",
-      f"ENTRY %main (q: {seq_minor}, t: {prefetch}, o: {head_minor}) -> ({seq_minor}, {seq_minor}, {dq}) {{",
+      f"ENTRY %main (q: {seq_minor}, t: {prefetch}, o: {head_minor}) -> ({dq}, {head_minor}, {head_minor}) {{",
       f"  %q = {seq_minor} parameter(0)", f"  %t = {prefetch} parameter(1)", f"  %o = {head_minor} parameter(2)",
       splash("splash_mha_fwd_residuals.1", f"({head_minor}, {logsumexp})", "%t, %t, %q, %q, %q",
              {"block_q": block, "block_kv": block}),
       f"  %lse = {logsumexp} get-tuple-element(%splash_mha_fwd_residuals.1), index=1",
-      splash("splash_mha_dkv_no_residuals.2", f"({seq_minor}, {seq_minor}, {dq})", "%t, %t, %q, %q, %q, %o, %lse",
+      splash("splash_mha_dkv_no_residuals.2", f"({dq}, {head_minor}, {head_minor})", "%t, %t, %q, %q, %q, %o, %lse",
              {"block_q_dkv": block, "block_kv_dkv": block}).replace("%splash_mha_dkv", "ROOT %splash_mha_dkv"),
       "}", ""])
 
 
-def test_splash_kernels_with_one_block_per_sequence_move_every_operand_once():
+@pytest.mark.parametrize("rows", [BATCH, 1])
+def test_splash_kernels_with_one_block_per_sequence_move_every_operand_once(rows):
   """Splash's forward (QKᵀ, PV) and fused backward (QKᵀ again, dO Vᵀ, PᵀdO, dSᵀQ, dS K): 4 + 10 products of
   q·k·d per head. With a block the length of the sequence, the grid visits each row's heads once."""
-  costs = kernel_costs.kernel_costs(splash_program(block=512))
+  costs = kernel_costs.kernel_costs(splash_program(block=512, rows=rows))
   assert (costs.counted, costs.self_reported) == (2, 0)
-  assert costs.flops == 14 * BATCH * HEADS * 512 * 512 * DIM
-  seq_minor, head_minor = nbytes(array(512)), 2 * nbytes(array(512))  # head_dim 64 in 128 lanes: twice
-  logsumexp, prefetch = nbytes(array(512, last=128, dtype="f32")), 1
+  assert costs.flops == 14 * rows * HEADS * 512 * 512 * DIM
+  per_row = rows / BATCH
+  seq_minor, head_minor = per_row * nbytes(array(512)), 2 * per_row * nbytes(array(512))  # 64 in 128 lanes
+  logsumexp, prefetch = per_row * nbytes(array(512, last=128, dtype="f32")), 1
   forward = 2 * prefetch + 3 * seq_minor + head_minor + logsumexp
-  backward = 2 * prefetch + 3 * seq_minor + head_minor + logsumexp + 2 * seq_minor + head_minor  # ..., dk, dv, dq
+  backward = 2 * prefetch + 3 * seq_minor + head_minor + logsumexp + 3 * head_minor  # ..., dq, dk, dv
   assert costs.bytes_accessed == forward + backward
 
 

@@ -2,8 +2,8 @@
 
 cuDNN's kernel needs an NVIDIA GPU: here its arguments (padding as sequence lengths, causal) go to the
 same jax.nn.dot_product_attention with implementation='xla', which must match ours at every real
-position. The Pallas TPU kernels (flash and splash attention) run in Pallas's TPU interpret mode, values and
-gradients."""
+position. The Pallas TPU kernels run in Pallas's interpreters (flash attention in its TPU interpret mode, splash
+attention in its generic one), values and gradients."""
 import contextlib
 import functools
 import types

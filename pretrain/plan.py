@@ -67,7 +67,7 @@ def report_lines(p: Plan) -> list:
     notes.append("scanned layers: extrapolated from unrolled compiles of 1 and 2 layers")
   loops = f" ({'; '.join(notes)})" if notes else ""
   times = p.step_seconds()
-  bound = max(times, key=times.get)  # collectives overlapped with compute and HBM traffic
+  bound = p.bound()  # collectives overlapped with compute and HBM traffic
   serial = p.serial_seconds()
   lines = [
       f"compiled in {p.compile_seconds:.0f} s",

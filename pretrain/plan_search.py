@@ -301,7 +301,7 @@ class LayoutSearch:
             break
           if candidate.fits and candidate.plan.headroom >= roofline.HEADROOM_WARNING:
             fitting.append((index, microbatches, remat_index))
-            if not _bound_by_hbm(candidate.plan):
+            if candidate.plan.bound() != "HBM":  # only the optimizer's traffic does more fsdp divide
               break
             faster_than = candidate.plan.overlapped_seconds()
     return estimates
@@ -332,13 +332,6 @@ class LayoutSearch:
     return (f"{layout.label()} needs {least.plan.figures.hbm_total / roofline.GIB:.2f} GiB per device with "
             f"{rows} row(s) per microbatch: shorter sequences, or a slice of "
             f"{_power_of_two(devices * least.plan.figures.hbm_total / limit)} devices")
-
-
-def _bound_by_hbm(plan: roofline.Plan) -> bool:
-  """Whether HBM traffic sets the step's estimate: then more fsdp, which divides the optimizer's traffic over more
-  devices, may make it faster despite its collectives."""
-  times = plan.step_seconds()
-  return times["HBM"] == max(times.values())
 
 
 def _allows(config, **changes) -> bool:

@@ -155,9 +155,8 @@ def model_flops_per_step(setup) -> float:
 
 def compile_step(setup):
   """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
-  from pretrain import compilation_cache, partitioning, steps
-  with partitioning.tracing_context(setup.mesh, setup.rules):  # as train() traces it
-    lowered = steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes())
+  from pretrain import compilation_cache, steps
+  lowered = steps.lower_train_step(setup)  # as train() lowers it
   try:
     # Not through JAX's persistent cache: an executable compiled for a described topology, with no TPU
     # client, cannot be loaded back (a second plan would warn, then compile anyway).
@@ -326,6 +325,11 @@ class Plan:
     bytes at full ICI bandwidth (every link busy; latency ignored)."""
     return {"compute": self.figures.flops / self.peak_flops, "HBM": self.figures.bytes_accessed / self.hbm_bandwidth,
             "communication": self.figures.collectives.total / self.ici_bandwidth}
+
+  def bound(self) -> str:
+    """What sets the overlapped estimate: 'compute', 'HBM' or 'communication'."""
+    times = self.step_seconds()
+    return max(times, key=times.get)
 
   def overlapped_seconds(self) -> float:
     """The step's roofline bound with compute, HBM traffic and collectives fully overlapped."""

@@ -244,6 +244,13 @@ def jit_train_step(setup: Setup):
                  out_shardings=(setup.state_shardings, replicated), donate_argnums=(0,))
 
 
+def lower_train_step(setup: Setup):
+  """The train step lowered ahead of time for the state's and a batch's shapes and shardings, traced under the
+  run's mesh and axis rules (thread-local: a thread that lowers it enters them itself)."""
+  with partitioning.tracing_context(setup.mesh, setup.rules):
+    return jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes())
+
+
 def jit_eval_step(setup: Setup):
   """(params, batch, carry) -> (metrics, carry); the first batch takes `initial_eval_carry(setup)`."""
   return jax.jit(functools.partial(eval_step, setup),

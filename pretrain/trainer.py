@@ -172,13 +172,6 @@ class _Background:
     return self._value
 
 
-def _compile_train_step(setup: steps.Setup):
-  """The train step compiled ahead of time for the state's and a batch's shapes and shardings: what a thread of
-  its own runs, under the trace context the main thread's is in (thread-local)."""
-  with partitioning.tracing_context(setup.mesh, setup.rules):
-    return steps.jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes()).compile()
-
-
 @signals.handled
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
@@ -243,7 +236,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
 
     def compile_beside(step_loaded: int) -> None:
       if step_loaded < train_steps and not compiling:
-        compiling.append(_Background(lambda: _compile_train_step(setup), name="train-step-compile"))
+        compiling.append(_Background(lambda: steps.lower_train_step(setup).compile(), name="train-step-compile"))
 
     signals.at("restoring or initializing the train state (the train step compiles meanwhile)")
     state_began = time.time()

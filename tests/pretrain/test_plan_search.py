@@ -107,8 +107,9 @@ class MadeUpSearch(plan_search.LayoutSearch):
     compute = 1 + fsdp / 10 + layout.microbatches / 10 + plan_search.REMAT_POLICIES.index(layout.remat) / 10
     times = {"compute": compute, "HBM": self.HBM_SECONDS[fsdp], "communication": 0.0}
     plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), headroom=1 - hbm / self.LIMIT,
-                                 bound=lambda: max(times, key=times.get),
-                                 overlapped_seconds=lambda: max(times.values()))
+                                 step_seconds=lambda: times)
+    plan.bound, plan.overlapped_seconds = (lambda: roofline.Plan.bound(plan),  # the Plan's own arithmetic
+                                           lambda: roofline.Plan.overlapped_seconds(plan))
     return plan_search.Candidate(layout, plan)
 
 

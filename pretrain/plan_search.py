@@ -68,9 +68,10 @@ class Candidate:
     return self.plan.figures is not None and self.plan.headroom >= 0
 
   def rank_key(self) -> tuple:
-    """Fitting layouts first, fastest (collectives overlapped) first; unrolled before its scanned twin."""
-    seconds = self.plan.overlapped_seconds() if self.plan.figures else math.inf
-    return (not self.fits, seconds, self.layout.scan_layers, not self.confirmed)
+    """Fitting layouts first, fastest (collectives overlapped) first, then fastest if they do not overlap
+    (which separates compute-bound layouts that the overlapped bound ties); unrolled before its scanned twin."""
+    seconds = (self.plan.overlapped_seconds(), self.plan.serial_seconds()) if self.plan.figures else (math.inf,) * 2
+    return (not self.fits, *seconds, self.layout.scan_layers, not self.confirmed)
 
 
 @dataclasses.dataclass
@@ -344,11 +345,13 @@ def _allows(config, **changes) -> bool:
 
 
 def _best(ranked: List[Candidate]) -> Optional[Candidate]:
-  """The fastest confirmed fitting layout, preferring one with HEADROOM_WARNING of HBM free; where none is
-  confirmed (the time ran out, or every confirmed one was too big), the fastest that fits by estimate."""
-  confirmed = [c for c in ranked if c.confirmed and c.fits]
-  roomy = [c for c in confirmed if c.plan.headroom >= roofline.HEADROOM_WARNING]
-  return (roomy or confirmed or [c for c in ranked if c.fits] or [None])[0]
+  """The fastest confirmed fitting layout; where none is confirmed (the time ran out, or every confirmed one
+  was too big), the fastest that fits by estimate. Either way one with HEADROOM_WARNING of HBM free is
+  preferred: an estimate's memory can be a few percent short of the full compile's."""
+  fitting = [c for c in ranked if c.fits]
+  confirmed = [c for c in fitting if c.confirmed]
+  roomy = lambda candidates: [c for c in candidates if c.plan.headroom >= roofline.HEADROOM_WARNING]  # noqa: E731
+  return (roomy(confirmed) or confirmed or roomy(fitting) or fitting or [None])[0]
 
 
 def _count(counts: dict, reason: str, layouts: int) -> None:

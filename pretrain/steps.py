@@ -44,9 +44,13 @@ class Setup:
   state_shardings: TrainState
   batch_shapes: Dict[str, jax.ShapeDtypeStruct]
   microbatches: int = 1
+  _abstract_state: Optional[TrainState] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   def abstract_state(self) -> TrainState:
-    return jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
+    # Once per setup: tracing the init costs seconds, and a start asks for it to restore and to compile.
+    if self._abstract_state is None:
+      self._abstract_state = jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
+    return self._abstract_state
 
   def sharded_abstract_state(self) -> TrainState:
     """Shapes, dtypes and shardings of the state: what restore and ahead-of-time compilation need."""

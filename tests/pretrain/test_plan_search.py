@@ -106,11 +106,16 @@ class MadeUpSearch(plan_search.LayoutSearch):
     hbm = self.STATE[fsdp] + self.ACTIVATIONS[layout.remat] / layout.microbatches
     compute = 1 + fsdp / 10 + layout.microbatches / 10 + plan_search.REMAT_POLICIES.index(layout.remat) / 10
     times = {"compute": compute, "HBM": self.HBM_SECONDS[fsdp], "communication": 0.0}
-    plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), headroom=1 - hbm / self.LIMIT,
-                                 step_seconds=lambda: times)
-    plan.bound, plan.overlapped_seconds = (lambda: roofline.Plan.bound(plan),  # the Plan's own arithmetic
-                                           lambda: roofline.Plan.overlapped_seconds(plan))
-    return plan_search.Candidate(layout, plan)
+    return plan_search.Candidate(layout, made_up_plan(hbm, self.LIMIT, times))
+
+
+def made_up_plan(hbm: float, limit: float, times: dict):
+  """A stand-in for a compiled roofline.Plan: its HBM, headroom and step times, with the Plan's own arithmetic."""
+  plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), headroom=1 - hbm / limit,
+                               step_seconds=lambda: times)
+  for method in ("bound", "overlapped_seconds", "serial_seconds"):
+    setattr(plan, method, getattr(roofline.Plan, method).__get__(plan))
+  return plan
 
 
 MESHES = [(("replica", 1), ("data", 4 // fsdp), ("fsdp", fsdp), ("model", 1)) for fsdp in (1, 2, 4)]
@@ -143,6 +148,24 @@ def test_where_hbm_traffic_bounds_a_fitting_layout_more_fsdp_is_estimated_while_
   # the same walk follows. The compute-bound search above stops at the first fitting mesh of each row instead.
   assert tried == {(1, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True, (2, 2, "none"): True,
                    (4, 2, "none"): True, (1, 1, "dots"): True, (2, 1, "dots"): True, (4, 1, "dots"): True}
+
+
+def test_the_best_layout_keeps_headroom_and_ties_of_compute_bound_layouts_go_to_the_one_with_less_traffic():
+  def candidate(fsdp, hbm, compute, communication, confirmed=False):
+    layout = plan_search.Layout(MESHES[[1, 2, 4].index(fsdp)], 1, "none", False)
+    plan = made_up_plan(hbm, 100, {"compute": compute, "HBM": 0.5, "communication": communication})
+    return plan_search.Candidate(layout, plan, confirmed=confirmed)
+
+  tight = candidate(1, 95, 1.0, 0.1)  # 5% free: an estimate's few percent could tip it over
+  roomy = candidate(2, 60, 1.0, 0.3)  # as fast with collectives overlapped; slower if they are not
+  slow = candidate(4, 30, 1.2, 0.1)
+  ranked = sorted([slow, roomy, tight], key=plan_search.Candidate.rank_key)
+  assert ranked == [tight, roomy, slow]
+  assert plan_search._best(ranked) is roomy
+  assert plan_search._best([tight, slow]) is slow  # any roomy layout before a tight one, even a slower one
+  assert plan_search._best([tight]) is tight  # a tight fit is still better than none
+  confirmed_tight = candidate(1, 95, 1.0, 0.1, confirmed=True)
+  assert plan_search._best([confirmed_tight, roomy]) is confirmed_tight  # a compile beats an estimate
 
 
 def test_max_minutes_stops_the_search_and_reports_what_it_has():

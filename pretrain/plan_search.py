@@ -67,6 +67,11 @@ class Candidate:
   def fits(self) -> bool:
     return self.plan.figures is not None and self.plan.headroom >= 0
 
+  @property
+  def roomy(self) -> bool:
+    """Fits with HEADROOM_WARNING of HBM free: what an estimate's few percent of error cannot tip over."""
+    return self.fits and self.plan.headroom >= roofline.HEADROOM_WARNING
+
   def rank_key(self) -> tuple:
     """Fitting layouts first, fastest (collectives overlapped) first, then fastest if they do not overlap
     (which separates compute-bound layouts that the overlapped bound ties); unrolled before its scanned twin."""
@@ -300,7 +305,7 @@ class LayoutSearch:
             measured = (candidate.plan.figures.hbm_total - floors[mesh], microbatches)
           if faster_than is not None and not (candidate.fits and candidate.plan.overlapped_seconds() < faster_than):
             break
-          if candidate.fits and candidate.plan.headroom >= roofline.HEADROOM_WARNING:
+          if candidate.roomy:
             fitting.append((index, microbatches, remat_index))
             if candidate.plan.bound() != "HBM":  # only the optimizer's traffic does more fsdp divide
               break
@@ -350,8 +355,7 @@ def _best(ranked: List[Candidate]) -> Optional[Candidate]:
   preferred: an estimate's memory can be a few percent short of the full compile's."""
   fitting = [c for c in ranked if c.fits]
   confirmed = [c for c in fitting if c.confirmed]
-  roomy = lambda candidates: [c for c in candidates if c.plan.headroom >= roofline.HEADROOM_WARNING]  # noqa: E731
-  return (roomy(confirmed) or confirmed or roomy(fitting) or fitting or [None])[0]
+  return ([c for c in confirmed if c.roomy] or confirmed or [c for c in fitting if c.roomy] or fitting or [None])[0]
 
 
 def _count(counts: dict, reason: str, layouts: int) -> None:

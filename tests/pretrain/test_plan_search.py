@@ -196,3 +196,29 @@ def test_a_mesh_that_does_not_divide_an_array_is_refused_with_the_arrays_shape_n
   gin.clear_config()
   reason = plan_search.invalid_reason(refused.value)
   assert re.fullmatch(r"an array of shape \(2047, \d+\) does not split as P\('model', .*\)", reason), reason
+
+
+def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_room():
+  """Scanning saves memory, not time: where the unrolled layout fits at full size with room, the compile goes
+  to the next mesh instead. Where it does not, its scanned twin is compiled."""
+  def estimate(fsdp, scan, hbm):
+    layout = plan_search.Layout(MESHES[[1, 2, 4].index(fsdp)], 1, "none", scan)
+    return plan_search.Candidate(layout, made_up_plan(hbm, 100, {"compute": 1.0 + fsdp / 10, "HBM": 0.0,
+                                                                   "communication": 0.0}))
+
+  class Confirming(MadeUpSearch):
+    FULL_SIZE_HBM = {(1, False): 70, (2, False): 98}  # as compiled: fsdp 2 unrolled has 2% free
+
+    def confirm(self, candidate, twin):
+      self.estimated.append(candidate.layout)
+      key = (candidate.layout.mesh_shape["fsdp"], candidate.layout.scan_layers)
+      plan = made_up_plan(self.FULL_SIZE_HBM.get(key, 60), 100, candidate.plan.step_seconds())
+      return plan_search.Candidate(candidate.layout, plan, confirmed=True, estimate=candidate.plan)
+
+  ranked = sorted([estimate(fsdp, scan, 60) for fsdp in (1, 2, 4) for scan in (False, True)],
+                  key=plan_search.Candidate.rank_key)
+  search = Confirming()
+  search.confirm_fastest(ranked, 3)
+  compiled = [(layout.mesh_shape["fsdp"], layout.scan_layers) for layout in search.estimated]
+  assert compiled == [(1, False), (2, False), (2, True)]
+  assert [c.confirmed for c in ranked] == [True, False, True, True, False, False]

@@ -21,8 +21,9 @@ demo: $(STAMP)
 
 # Two pytest-xdist workers, each running whole test modules (their fixtures are made once), the long ones first
 # (tests/conftest.py): much of a test is single-threaded (imports, tracing, compiling), so two cores stay busy.
+# The slowest tests are listed at the end: the suite must stay within CI's 15 minutes.
 TEST_WORKERS ?= 2
-PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20
 
 test: $(STAMP)
 	$(PYTEST) -m "not slow" tests

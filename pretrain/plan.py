@@ -20,7 +20,8 @@ program's, and its FLOPs and bytes come from small unrolled compiles (XLA counts
 remat and scan_layers, estimates each from small compiles, compiles the best `--confirm` (default 3,
 at most 8) at full size and prints a ranked table and the best layout as pretrain.train flags;
 `--write=PATH` writes a run file of the run and that layout, with the table in its header.
-`--max_minutes` bounds the search: it then reports what it has.
+`--max_minutes` bounds the search: estimates stop at 60% of it and full-size compiles start until its end;
+it then reports what it has.
 
 Exit codes: 0 fits; 2 does not fit (the compiler's out-of-memory line on stderr; with --search, the
 smallest change that would fit); 1 bad configuration.
@@ -44,7 +45,7 @@ HELP = cli.gin_help(__doc__, flags=f"""\
   --search                    choose the layout: mesh, microbatches, remat, scan_layers
   --confirm=N                 with --search: layouts compiled at full size (default {plan_search.DEFAULT_CONFIRM}, \
 at most {plan_search.MAX_CONFIRM})
-  --max_minutes=M             with --search: stop exploring after M minutes and report what it has
+  --max_minutes=M             with --search: estimate for 60% of M minutes, confirm until M, report what it has
   --write=PATH                with --search: write a run file of the run with the best layout""")
 
 

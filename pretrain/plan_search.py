@@ -41,6 +41,7 @@ REMAT_POLICIES = ("none", "dots", "full")  # each keeps fewer activations for th
 HEAD_COUNT_FIELDS = ("num_heads", "n_head")  # model configs' attention heads: BERT, ALBERT and BART; XLNet
 DEFAULT_CONFIRM = 3
 MAX_CONFIRM = 8  # full-size compiles of a large model take minutes each
+ESTIMATING_SHARE = 0.6  # of --max_minutes: estimates stop there, leaving the rest to confirm the best of them
 _INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 
 
@@ -132,10 +133,14 @@ def state_bytes_per_device(setup) -> float:
 class LayoutSearch:
   """One search: the run, the slice, and every compile it has made (a step compiled once serves every use)."""
 
-  def __init__(self, arguments: dict, topology: str, num_slices: int, show: Callable, deadline: float):
+  def __init__(self, arguments: dict, topology: str, num_slices: int, show: Callable,
+               max_minutes: Optional[float] = None):
     from pretrain import trainer
-    self.arguments, self.topology, self.num_slices, self.show, self.deadline = (arguments, topology, num_slices,
-                                                                                show, deadline)
+    self.arguments, self.topology, self.num_slices, self.show = arguments, topology, num_slices, show
+    budget = 60 * max_minutes if max_minutes else math.inf
+    # Estimating ends first, so that the full-size compiles that decide are not what the time bound cuts.
+    self.estimating_ends, self.confirming_ends = time.time() + ESTIMATING_SHARE * budget, time.time() + budget
+    self.stopped_early = False  # a deadline passed with work left
     self.devices = roofline.slice_devices(topology, num_slices)
     self.family = trainer.fitted_family(arguments["family"], arguments["mixture_or_task_name"],
                                         arguments["task_feature_lengths"])
@@ -153,9 +158,11 @@ class LayoutSearch:
     from pretrain import partitioning
     return partitioning.data_parallel_groups(self.make_mesh(mesh_shape))
 
-  @property
-  def out_of_time(self) -> bool:
-    return time.time() > self.deadline
+  def past(self, deadline: float) -> bool:
+    """Whether the deadline has passed; if so, the search says it stopped early."""
+    passed = time.time() > deadline
+    self.stopped_early |= passed
+    return passed
 
   def config(self, layout: Layout):
     return dataclasses.replace(self.family.config, remat_policy=layout.remat, scan_layers=layout.scan_layers)
@@ -238,7 +245,7 @@ class LayoutSearch:
                         for mesh in meshes}
     floors, least_floor, holding = {}, None, {}  # holding: model size -> meshes that hold the state, least fsdp first
     for mesh in meshes:
-      if self.out_of_time:
+      if self.past(self.estimating_ends):
         break
       try:
         floors[mesh] = state_bytes_per_device(self.setup(Layout(mesh, 1, "none", False)))
@@ -268,7 +275,7 @@ class LayoutSearch:
         ranked[index] = Candidate(candidate.layout, dataclasses.replace(twin.plan, scan_layers=True))
     ranked.sort(key=Candidate.rank_key)
     result = SearchResult(ranked, _best(ranked), considered, self.discarded, self.compiles, time.time() - start,
-                          self.out_of_time, config_name(config))
+                          self.stopped_early, config_name(config))
     if result.best is None:
       result.suggestion = ("--max_minutes ran out before any layout was found to fit: allow more"
                            if result.stopped_early else self.suggestion(ranked, floors, least_floor))
@@ -281,7 +288,7 @@ class LayoutSearch:
     mesh, whose estimate may be far off (XLA's HBM bytes do not grow linearly with depth: module docstring)."""
     confirmed = 0
     for index, candidate in enumerate(ranked):
-      if confirmed == confirm or self.out_of_time:
+      if confirmed == confirm or self.past(self.confirming_ends):
         return
       if not candidate.fits:
         continue
@@ -314,7 +321,7 @@ class LayoutSearch:
         for index, mesh in enumerate(meshes[:undominated]):
           if measured and floors[mesh] + measured[0] * measured[1] / microbatches > limit:
             continue
-          if self.out_of_time:
+          if self.past(self.estimating_ends):
             return estimates
           try:
             candidate = self.estimate(Layout(mesh, microbatches, remat, False))
@@ -405,8 +412,7 @@ def _power_of_two(at_least: float) -> int:
 def search(arguments: dict, topology: str, num_slices: int, confirm: int = DEFAULT_CONFIRM,
            max_minutes: Optional[float] = None, show: Callable = print) -> SearchResult:
   """Searches the run's layouts on the topology; `show` gets a line per compile."""
-  deadline = time.time() + 60 * max_minutes if max_minutes else math.inf
-  return LayoutSearch(arguments, topology, num_slices, show, deadline).run(confirm)
+  return LayoutSearch(arguments, topology, num_slices, show, max_minutes).run(confirm)
 
 
 def table_lines(result: SearchResult) -> List[str]:

@@ -92,7 +92,9 @@ class MadeUpSearch(plan_search.LayoutSearch):
   HBM_SECONDS = {1: 0.0, 2: 0.0, 4: 0.0}  # by fsdp
 
   def __init__(self):  # none of a real search's run, slice or compiles
-    self.discarded, self.deadline, self.estimated = {}, float("inf"), []
+    self.discarded, self.estimated = {}, []
+    self.estimating_ends = self.confirming_ends = float("inf")
+    self.stopped_early = False
 
   def valid_microbatches(self, mesh):
     return [1, 2, 4]
@@ -189,7 +191,7 @@ def test_a_mesh_that_does_not_divide_an_array_is_refused_with_the_arrays_shape_n
   with mock.patch.dict(os.environ, env):
     cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin"], ["bert.BertConfig.vocab_size = 2047"])
     arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
-    search = plan_search.LayoutSearch(arguments, "v3:2x2", 1, print, deadline=float("inf"))
+    search = plan_search.LayoutSearch(arguments, "v3:2x2", 1, print)
     mesh = (("replica", 1), ("data", 4), ("fsdp", 1), ("model", 2))
     with pytest.raises(ValueError) as refused:
       plan_search.state_bytes_per_device(search.setup(plan_search.Layout(mesh, 1, "none", False)))
@@ -198,9 +200,10 @@ def test_a_mesh_that_does_not_divide_an_array_is_refused_with_the_arrays_shape_n
   assert re.fullmatch(r"an array of shape \(2047, \d+\) does not split as P\('model', .*\)", reason), reason
 
 
-def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_room():
+def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_room_and_has_time_of_its_own():
   """Scanning saves memory, not time: where the unrolled layout fits at full size with room, the compile goes
-  to the next mesh instead. Where it does not, its scanned twin is compiled."""
+  to the next mesh instead. Where it does not, its scanned twin is compiled. Confirming has the part of
+  --max_minutes that estimating leaves."""
   def estimate(fsdp, scan, hbm):
     layout = plan_search.Layout(MESHES[[1, 2, 4].index(fsdp)], 1, "none", scan)
     return plan_search.Candidate(layout, made_up_plan(hbm, 100, {"compute": 1.0 + fsdp / 10, "HBM": 0.0,
@@ -215,10 +218,19 @@ def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_r
       plan = made_up_plan(self.FULL_SIZE_HBM.get(key, 60), 100, candidate.plan.step_seconds())
       return plan_search.Candidate(candidate.layout, plan, confirmed=True, estimate=candidate.plan)
 
-  ranked = sorted([estimate(fsdp, scan, 60) for fsdp in (1, 2, 4) for scan in (False, True)],
-                  key=plan_search.Candidate.rank_key)
+  def confirmed(search):
+    ranked = sorted([estimate(fsdp, scan, 60) for fsdp in (1, 2, 4) for scan in (False, True)],
+                    key=plan_search.Candidate.rank_key)
+    search.confirm_fastest(ranked, 3)
+    compiled = [(layout.mesh_shape["fsdp"], layout.scan_layers) for layout in search.estimated]
+    return compiled, [c.confirmed for c in ranked]
+
+  assert confirmed(Confirming()) == ([(1, False), (2, False), (2, True)], [True, False, True, True, False, False])
+
+  # --max_minutes: estimating ends first, and what is left of the time goes to confirming.
   search = Confirming()
-  search.confirm_fastest(ranked, 3)
-  compiled = [(layout.mesh_shape["fsdp"], layout.scan_layers) for layout in search.estimated]
-  assert compiled == [(1, False), (2, False), (2, True)]
-  assert [c.confirmed for c in ranked] == [True, False, True, True, False, False]
+  search.estimating_ends = 0.0  # passed
+  assert confirmed(search)[0] == [(1, False), (2, False), (2, True)] and not search.stopped_early
+  search = Confirming()
+  search.confirming_ends = 0.0
+  assert confirmed(search) == ([], [False] * 6) and search.stopped_early

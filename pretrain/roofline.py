@@ -193,6 +193,19 @@ class StepFigures:
                        self.flops + times * other.flops, self.bytes_accessed + times * other.bytes_accessed,
                        Collectives(by_kind, unknown), self.kernels.plus(other.kernels, times))
 
+  def added_by(self, deeper: "StepFigures") -> "StepFigures":
+    """What a deeper step adds to this one, figure by figure, none below zero: a layer cannot make a step
+    cheaper, though XLA's counts of a few layers can say so (pretrain.plan_search's docstring has figures)."""
+    def more(shallow: float, deep: float) -> float:
+      return max(deep - shallow, 0.0)
+
+    sent, deeper_sent = self.collectives.bytes_by_kind, deeper.collectives.bytes_by_kind
+    return StepFigures({use: more(size, deeper.memory[use]) for use, size in self.memory.items()},
+                       more(self.flops, deeper.flops), more(self.bytes_accessed, deeper.bytes_accessed),
+                       Collectives({kind: more(sent.get(kind, 0.0), deeper_sent.get(kind, 0.0))
+                                    for kind in {**sent, **deeper_sent}}, deeper.collectives.loops_of_unknown_length),
+                       deeper.kernels.plus(self.kernels, -1))
+
 
 def step_figures(compiled, setup) -> StepFigures:
   """The figures of a compiled step (`compile_step(setup)`); a scanned stack's FLOPs and bytes counted once."""
@@ -226,10 +239,12 @@ def step_cost(compiled, microbatches: int, kernels: KernelCosts) -> tuple:
 def unrolled_figures(config, layer_count_fields, figures_of: Callable) -> StepFigures:
   """The figures of the step with model config `config`, its layers unrolled, without compiling them all.
 
-  `figures_of(config)` compiles the step with another model config. The step is linear in each stack's
-  depth, so a deep model's figures are extrapolated from compiles with one layer per stack and with two
-  in one stack: a few small compiles instead of the full unrolled program (XLA counts a scanned stack's
-  body once). A model of at most two layers per stack is compiled as it is, which costs no more.
+  `figures_of(config)` compiles the step with another model config. The step's work is linear in each
+  stack's depth, so a deep model's figures are extrapolated from compiles with one layer per stack and with
+  two in one stack: a few small compiles instead of the full unrolled program (XLA counts a scanned stack's
+  body once). What the second layer adds is taken as at least nothing, figure by figure. FLOPs and
+  collectives extrapolate well, HBM bytes on TPU less so (pretrain.plan_search's docstring). A model of at
+  most two layers per stack is compiled as it is, which costs no more.
   """
   depths = {name: getattr(config, name) for name in layer_count_fields}
   unrolled = dataclasses.replace(config, scan_layers=False)
@@ -239,7 +254,7 @@ def unrolled_figures(config, layer_count_fields, figures_of: Callable) -> StepFi
   base = figures_of(one_layer)
   total = base
   for name, depth in depths.items():
-    total = total.plus(figures_of(dataclasses.replace(one_layer, **{name: 2})), depth - 1).plus(base, 1 - depth)
+    total = total.plus(base.added_by(figures_of(dataclasses.replace(one_layer, **{name: 2}))), depth - 1)
   return total
 
 

@@ -288,7 +288,7 @@ class LayoutSearch:
     mesh, whose estimate may be far off (XLA's HBM bytes do not grow linearly with depth: module docstring)."""
     confirmed = 0
     for index, candidate in enumerate(ranked):
-      if confirmed == confirm or self.past(self.confirming_ends):
+      if confirmed == confirm:
         return
       if not candidate.fits:
         continue
@@ -296,6 +296,8 @@ class LayoutSearch:
       if candidate.layout.scan_layers and twin.confirmed and twin.roomy:
         continue
       if not candidate.confirmed:
+        if self.past(self.confirming_ends):
+          return
         ranked[index] = self.confirm(candidate, twin)
       confirmed += 1
 

@@ -137,9 +137,9 @@ class LayoutSearch:
                max_minutes: Optional[float] = None):
     from pretrain import trainer
     self.arguments, self.topology, self.num_slices, self.show = arguments, topology, num_slices, show
-    budget = 60 * max_minutes if max_minutes else math.inf
+    budget, now = (60 * max_minutes if max_minutes else math.inf), time.time()
     # Estimating ends first, so that the full-size compiles that decide are not what the time bound cuts.
-    self.estimating_ends, self.confirming_ends = time.time() + ESTIMATING_SHARE * budget, time.time() + budget
+    self.estimating_ends, self.confirming_ends = now + ESTIMATING_SHARE * budget, now + budget
     self.stopped_early = False  # a deadline passed with work left
     self.devices = roofline.slice_devices(topology, num_slices)
     self.family = trainer.fitted_family(arguments["family"], arguments["mixture_or_task_name"],

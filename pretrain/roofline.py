@@ -185,26 +185,22 @@ class StepFigures:
 
   def plus(self, other: "StepFigures", times: float) -> "StepFigures":
     """self + times × other, figure by figure: steps of different depths combined linearly."""
-    by_kind = dict(self.collectives.bytes_by_kind)
-    for kind, sent in other.collectives.bytes_by_kind.items():
-      by_kind[kind] = by_kind.get(kind, 0.0) + times * sent
-    unknown = max(self.collectives.loops_of_unknown_length, other.collectives.loops_of_unknown_length)
-    return StepFigures({use: size + times * other.memory[use] for use, size in self.memory.items()},
-                       self.flops + times * other.flops, self.bytes_accessed + times * other.bytes_accessed,
-                       Collectives(by_kind, unknown), self.kernels.plus(other.kernels, times))
+    return self._combined(other, lambda mine, theirs: mine + times * theirs, self.kernels.plus(other.kernels, times))
 
   def added_by(self, deeper: "StepFigures") -> "StepFigures":
     """What a deeper step adds to this one, figure by figure, none below zero: a layer cannot make a step
     cheaper, though XLA's counts of a few layers can say so (pretrain.plan_search's docstring has figures)."""
-    def more(shallow: float, deep: float) -> float:
-      return max(deep - shallow, 0.0)
+    return self._combined(deeper, lambda shallow, deep: max(deep - shallow, 0.0), deeper.kernels.plus(self.kernels, -1))
 
-    sent, deeper_sent = self.collectives.bytes_by_kind, deeper.collectives.bytes_by_kind
-    return StepFigures({use: more(size, deeper.memory[use]) for use, size in self.memory.items()},
-                       more(self.flops, deeper.flops), more(self.bytes_accessed, deeper.bytes_accessed),
-                       Collectives({kind: more(sent.get(kind, 0.0), deeper_sent.get(kind, 0.0))
-                                    for kind in {**sent, **deeper_sent}}, deeper.collectives.loops_of_unknown_length),
-                       deeper.kernels.plus(self.kernels, -1))
+  def _combined(self, other: "StepFigures", figure: Callable, kernels: KernelCosts) -> "StepFigures":
+    """`figure(mine, theirs)` of every figure of the two steps (a collective one of them lacks counts 0)."""
+    sent, other_sent = self.collectives.bytes_by_kind, other.collectives.bytes_by_kind
+    collectives = Collectives({kind: figure(sent.get(kind, 0.0), other_sent.get(kind, 0.0))
+                               for kind in {**sent, **other_sent}},
+                              max(self.collectives.loops_of_unknown_length, other.collectives.loops_of_unknown_length))
+    return StepFigures({use: figure(size, other.memory[use]) for use, size in self.memory.items()},
+                       figure(self.flops, other.flops), figure(self.bytes_accessed, other.bytes_accessed),
+                       collectives, kernels)
 
 
 def step_figures(compiled, setup) -> StepFigures:

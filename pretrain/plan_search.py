@@ -12,9 +12,9 @@ and layers unrolled or scanned. Cheapest pruning first:
    layout with at least as much of them and of fsdp as a fitting one is dominated and not compiled
    (LayoutSearch.explore_model_split). More fsdp adds collectives but divides the optimizer's HBM traffic,
    so beyond a fitting layout whose step HBM traffic bounds, more fsdp is estimated while it is faster.
-   Meshes of one model size split the batch alike, so their activations are alike: a layout whose state
-   plus the activations measured beside it, scaled by the rows per microbatch, exceeds the HBM is not
-   compiled either.
+   A layout is not compiled either where even the least HBM that the layouts measured beside it allow
+   exceeds the HBM (least_hbm: temporaries are activations, alike on meshes of one model size, and
+   buffers the size of the state).
 3. A scanned layout does its unrolled twin's work, so it takes the twin's estimate; its memory is known
    once it is compiled at full size.
 4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures; a
@@ -309,19 +309,18 @@ class LayoutSearch:
     faster than the last. A layout estimated to fit with less than
     HEADROOM_WARNING free dominates nothing: small compiles underestimate a deep step's peak HBM (BERT-Large
     on a v3-512: 3.18 GiB estimated, 4.32 GiB compiled), so the safer layouts beyond it are estimated too.
-    The meshes split the batch alike, so their activations are alike: a mesh's HBM is predicted as its
-    state plus the activations last measured with this remat, scaled by the rows per microbatch; one
-    predicted too big is not compiled."""
+    A layout that needs more HBM than it has even by least_hbm's reckoning from this remat's estimates is not
+    compiled."""
     counts = self.valid_microbatches(meshes[0])
     limit = self.hbm_limit(meshes[0])
     estimates, fitting = [], []  # fitting: (mesh index, microbatches, remat index)
     for remat_index, remat in enumerate(REMAT_POLICIES):
-      measured = None  # (activation bytes, microbatches) of the last estimate with this remat
+      measured = []  # (temporaries, microbatches, state) of the estimates with this remat
       for microbatches in counts:
         undominated = min((i for i, m, r in fitting if m <= microbatches and r <= remat_index), default=len(meshes))
         faster_than = None  # seconds of the last fitting layout of this row, while more fsdp may beat it
         for index, mesh in enumerate(meshes[:undominated]):
-          if measured and floors[mesh] + measured[0] * measured[1] / microbatches > limit:
+          if least_hbm(floors[mesh], microbatches, measured) > limit:
             continue
           if self.past(self.estimating_ends):
             return estimates
@@ -332,7 +331,7 @@ class LayoutSearch:
             break
           estimates.append(candidate)
           if candidate.plan.figures is not None:
-            measured = (candidate.plan.figures.hbm_total - floors[mesh], microbatches)
+            measured.append((candidate.plan.figures.hbm_total - floors[mesh], microbatches, floors[mesh]))
           if faster_than is not None and not (candidate.fits and candidate.plan.overlapped_seconds() < faster_than):
             break
           if candidate.roomy:
@@ -368,6 +367,17 @@ class LayoutSearch:
     return (f"{layout.label()} needs {least.plan.figures.hbm_total / roofline.GIB:.2f} GiB per device with "
             f"{rows} row(s) per microbatch: shorter sequences, or a slice of "
             f"{_power_of_two(devices * least.plan.figures.hbm_total / limit)} devices")
+
+
+def least_hbm(state: float, microbatches: int, measured: List[tuple]) -> float:
+  """The least HBM per device that a layout can need, given the (temporaries, microbatches, state) of layouts of
+  the same model split and remat: its state, plus temporaries that are some mix of activations (alike on every
+  such mesh, scaling with the rows per microbatch) and buffers that scale with the state on the device
+  (gradients in flight, the optimizer's update), taking for each measurement the mix that favours this layout.
+  Both parts matter: XLNet-Large on a v3-1024 estimated 28.1 GiB for pure data parallel with one microbatch,
+  and data 128 × fsdp 8 compiled at 9.8 GiB with the same rows per core."""
+  return state + max((max(temporaries, 0.0) * min(state / measured_state, measured_microbatches / microbatches)
+                      for temporaries, measured_microbatches, measured_state in measured), default=0.0)
 
 
 def _allows(config, **changes) -> bool:

@@ -12,9 +12,9 @@ and layers unrolled or scanned. Cheapest pruning first:
    layout with at least as much of them and of fsdp as a fitting one is dominated and not compiled
    (LayoutSearch.explore_model_split). More fsdp adds collectives but divides the optimizer's HBM traffic,
    so beyond a fitting layout whose step HBM traffic bounds, more fsdp is estimated while it is faster.
-   A layout is not compiled either where even the least HBM that the layouts measured beside it allow
-   exceeds the HBM (least_hbm: temporaries are activations, alike on meshes of one model size, and
-   buffers the size of the state).
+   A layout is not compiled either where the HBM predicted from the layouts measured beside it exceeds
+   the HBM (predicted_hbm: temporaries are activations, alike on meshes of one model size, and a share
+   of the state that fsdp divides).
 3. A scanned layout does its unrolled twin's work, so it takes the twin's estimate; its memory is known
    once it is compiled at full size.
 4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures; a
@@ -309,7 +309,7 @@ class LayoutSearch:
     faster than the last. A layout estimated to fit with less than
     HEADROOM_WARNING free dominates nothing: small compiles underestimate a deep step's peak HBM (BERT-Large
     on a v3-512: 3.18 GiB estimated, 4.32 GiB compiled), so the safer layouts beyond it are estimated too.
-    A layout that needs more HBM than it has even by least_hbm's reckoning from this remat's estimates is not
+    A layout predicted from this remat's estimates (predicted_hbm) to need more HBM than there is is not
     compiled."""
     counts = self.valid_microbatches(meshes[0])
     limit = self.hbm_limit(meshes[0])
@@ -320,7 +320,7 @@ class LayoutSearch:
         undominated = min((i for i, m, r in fitting if m <= microbatches and r <= remat_index), default=len(meshes))
         faster_than = None  # seconds of the last fitting layout of this row, while more fsdp may beat it
         for index, mesh in enumerate(meshes[:undominated]):
-          if least_hbm(floors[mesh], microbatches, measured) > limit:
+          if predicted_hbm(floors[mesh], microbatches, measured) > limit:
             continue
           if self.past(self.estimating_ends):
             return estimates
@@ -369,15 +369,38 @@ class LayoutSearch:
             f"{_power_of_two(devices * least.plan.figures.hbm_total / limit)} devices")
 
 
-def least_hbm(state: float, microbatches: int, measured: List[tuple]) -> float:
-  """The least HBM per device that a layout can need, given the (temporaries, microbatches, state) of layouts of
-  the same model split and remat: its state, plus temporaries that are some mix of activations (alike on every
-  such mesh, scaling with the rows per microbatch) and buffers that scale with the state on the device
-  (gradients in flight, the optimizer's update), taking for each measurement the mix that favours this layout.
-  Both parts matter: XLNet-Large on a v3-1024 estimated 28.1 GiB for pure data parallel with one microbatch,
-  and data 128 × fsdp 8 compiled at 9.8 GiB with the same rows per core."""
-  return state + max((max(temporaries, 0.0) * min(state / measured_state, measured_microbatches / microbatches)
-                      for temporaries, measured_microbatches, measured_state in measured), default=0.0)
+def predicted_hbm(state: float, microbatches: int, measured: List[tuple]) -> float:
+  """The HBM per device that a layout is predicted to need, from the (temporaries, microbatches, state) of the
+  estimates of the same model split and remat: its state, plus temporaries that are activations (alike on
+  every such mesh, scaling with the rows per microbatch) and a share of the state (gradients in flight, the
+  optimizer's update: pure data parallel holds them whole, fsdp divides them). Both parts matter: XLNet-Large
+  on a v3-1024 estimated 28.1 GiB for pure data parallel with one microbatch, and data 128 × fsdp 8 compiled at
+  9.8 GiB with the same rows per core. Measurements that tell the two parts apart are fitted; one alone
+  cannot, so it is read as the mix that favours this layout: the least it could need."""
+  points = [(max(temporaries, 0.0), 1 / measured_microbatches, measured_state)
+            for temporaries, measured_microbatches, measured_state in measured]
+  fit = _activations_and_state_share(points)
+  if fit is None:
+    return state + max((temporaries * min(state / measured_state, (1 / microbatches) / x)
+                        for temporaries, x, measured_state in points), default=0.0)
+  activations, share = fit
+  return state + activations / microbatches + share * state
+
+
+def _activations_and_state_share(points: List[tuple]) -> Optional[tuple]:
+  """Non-negative (a, s) fitting temporaries ≈ a × x + s × state by least squares over (temporaries, x, state)
+  points; None where the points cannot tell a from s (fewer than two, or x proportional to state)."""
+  xx, xs, ss = (sum(p[i] * p[j] for p in points) for i, j in ((1, 1), (1, 2), (2, 2)))
+  tx, ts = (sum(p[0] * p[i] for p in points) for i in (1, 2))
+  determinant = xx * ss - xs * xs
+  if len(points) < 2 or determinant <= 1e-9 * xx * ss:
+    return None
+  a, s = (tx * ss - ts * xs) / determinant, (ts * xx - tx * xs) / determinant
+  if a < 0:
+    return 0.0, ts / ss
+  if s < 0:
+    return tx / xx, 0.0
+  return a, s
 
 
 def _allows(config, **changes) -> bool:

@@ -134,8 +134,9 @@ def explored(search: MadeUpSearch) -> dict:
 def test_the_search_compiles_no_layout_that_a_fitting_one_dominates_or_that_cannot_fit():
   tried = explored(MadeUpSearch())
   # No remat and one microbatch: fsdp 1 is compiled and too big (40 + 80). Its 80 of temporaries could be
-  # buffers the size of its state, so fsdp 2 might need as little as 25 + 50: compiled, too big (25 + 80);
-  # fsdp 4 fits, with 8% free (12 + 80): too little to dominate others. Two microbatches fit on fsdp 1
+  # a share of its state, so fsdp 2 might need as little as 25 + 50: compiled, too big (25 + 80). The two
+  # tell activations from state: fsdp 4 is predicted at 12 + 80, and fits, with 8% free: too little to
+  # dominate others. Two microbatches fit on fsdp 1
   # (40 + 40), and so do dots with one microbatch (40 + 40). These dominate every layout with at least as
   # much fsdp, microbatches and remat: nothing else is compiled, no 'full'.
   assert tried == {(1, 1, "none"): False, (2, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True,
@@ -161,13 +162,23 @@ def test_a_layout_is_left_out_only_where_no_mix_of_activations_and_state_sized_t
   assert tried[(1, 1, "none")] is False and tried[(2, 1, "none")] is True
   assert (4, 1, "none") not in tried  # the compute-bound row stops at its first roomy mesh
   rng = np.random.default_rng(0)
-  for _ in range(1000):  # whatever the mix, the least HBM is never more than a layout needs
+  for _ in range(1000):  # any mix: one measurement predicts no more than a layout needs, two predict it
     activations, per_state = rng.uniform(0, 100), rng.uniform(0, 3)
     needs = lambda state, microbatches: state + activations / microbatches + per_state * state
-    layouts = [(rng.uniform(1, 50), int(rng.choice([1, 2, 4, 8]))) for _ in range(3)]
-    measured = [(needs(state, mb) - state, mb, state) for state, mb in layouts[:2]]
-    state, microbatches = layouts[2]
-    assert plan_search.least_hbm(state, microbatches, measured) <= needs(state, microbatches) + 1e-9
+    (state, microbatches), *layouts = [(rng.uniform(1, 50), int(rng.choice([1, 2, 4, 8]))) for _ in range(3)]
+    measured = [(needs(s, mb) - s, mb, s) for s, mb in layouts]
+    assert plan_search.predicted_hbm(state, microbatches, measured[:1]) <= needs(state, microbatches) + 1e-9
+    assert plan_search.predicted_hbm(state, microbatches, measured) == pytest.approx(needs(state, microbatches))
+
+
+def test_two_estimates_tell_activations_from_the_state_share_and_rule_out_what_cannot_fit():
+  search = MadeUpSearch()
+  search.ACTIVATIONS = {"none": 90, "dots": 45, "full": 22.5}
+  tried = explored(search)
+  # fsdp 1 needs 40 + 90. fsdp 2 might need as little as 25 + 56 (were the 90 a share of the state): compiled,
+  # 25 + 90. Alike temporaries are activations, so fsdp 4 would need 12 + 90: not compiled.
+  assert tried[(1, 1, "none")] is False and tried[(2, 1, "none")] is False and (4, 1, "none") not in tried
+  assert tried[(1, 2, "none")] is True  # 40 + 45
 
 
 def test_where_hbm_traffic_bounds_a_fitting_layout_more_fsdp_is_estimated_while_it_is_faster():

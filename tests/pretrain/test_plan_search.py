@@ -136,9 +136,9 @@ def test_the_search_compiles_no_layout_that_a_fitting_one_dominates_or_that_cann
   # No remat and one microbatch: fsdp 1 is compiled and too big (40 + 80). Its 80 of temporaries could be
   # a share of its state, so fsdp 2 might need as little as 25 + 50: compiled, too big (25 + 80). The two
   # tell activations from state: fsdp 4 is predicted at 12 + 80, and fits, with 8% free: too little to
-  # dominate others. Two microbatches fit on fsdp 1
-  # (40 + 40), and so do dots with one microbatch (40 + 40). These dominate every layout with at least as
-  # much fsdp, microbatches and remat: nothing else is compiled, no 'full'.
+  # dominate others. Two microbatches fit on fsdp 1 (40 + 40), and so do dots with one microbatch (40 + 40).
+  # These dominate every layout with at least as much fsdp, microbatches and remat: nothing else is
+  # compiled, no 'full'.
   assert tried == {(1, 1, "none"): False, (2, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True,
                    (1, 1, "dots"): True}
 

@@ -381,8 +381,8 @@ def predicted_hbm(state: float, microbatches: int, measured: List[tuple]) -> flo
             for temporaries, measured_microbatches, measured_state in measured]
   fit = _activations_and_state_share(points)
   if fit is None:
-    return state + max((temporaries * min(state / measured_state, (1 / microbatches) / x)
-                        for temporaries, x, measured_state in points), default=0.0)
+    return state + max((max(temporaries, 0.0) * min(state / measured_state, measured_microbatches / microbatches)
+                        for temporaries, measured_microbatches, measured_state in measured), default=0.0)
   activations, share = fit
   return state + activations / microbatches + share * state
 

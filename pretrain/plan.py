@@ -3,7 +3,7 @@
   python -m pretrain.plan --gin_file=gin_configs/runs/xlnet_large_v3_512.gin [--gin.KEY=VALUE ...] \\
       [--topology=v3:16x16] [--num_slices=N]
   python -m pretrain.plan --gin_file=RUN --topology=v4:4x4x4 --search [--confirm=3] [--max_minutes=M] \\
-      [--write=PATH]
+      [--write=PATH] [--jobs=N]
 
 Needs libtpu (`pip install -e ".[tpu]"`), not a TPU. It parses the same gin files as pretrain.train,
 takes train()'s bound arguments, builds the same Setup (steps.make_setup: model, optimizer,
@@ -22,6 +22,8 @@ at most 8) at full size and prints a ranked table and the best layout as pretrai
 `--write=PATH` writes a run file of the run and that layout, with the table in its header.
 `--max_minutes` bounds the search: estimates stop at 60% of it and full-size compiles start until its end;
 it then reports what it has.
+The small compiles of an estimate (stacks of 1 and 2 layers) run `--jobs` at once, each on a CPU of its own
+(default: up to 3, as many as there are CPUs).
 
 Exit codes: 0 fits; 2 does not fit (the compiler's out-of-memory line on stderr; with --search, the
 smallest change that would fit); 1 bad configuration.
@@ -46,7 +48,9 @@ HELP = cli.gin_help(__doc__, flags=f"""\
   --confirm=N                 with --search: layouts compiled at full size (default {plan_search.DEFAULT_CONFIRM}, \
 at most {plan_search.MAX_CONFIRM})
   --max_minutes=M             with --search: estimate for 60% of M minutes, confirm until M, report what it has
-  --write=PATH                with --search: write a run file of the run with the best layout""")
+  --write=PATH                with --search: write a run file of the run with the best layout
+  --jobs=N                    with --search: small compiles at once, a CPU each (default {plan_search.DEFAULT_JOBS} \
+here, at most 3; a large model's take GBs of host memory each)""")
 
 
 def setup_lines(p: Plan) -> list:
@@ -149,21 +153,22 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
 
 def _flags(rest: list) -> dict:
   flags = {"topology": DEFAULT_TOPOLOGY, "num_slices": None, "search": False, "confirm": None, "max_minutes": None,
-           "write": None}
+           "write": None, "jobs": None}
   for arg in rest:
     name, has_value, value = arg.partition("=")
     key = name.removeprefix("--")
     takes_value = key != "search"
     if not name.startswith("--") or key not in flags or takes_value != bool(has_value) or (has_value and not value):
       raise ConfigError(f"unknown argument {arg!r}; expected --gin_file=F, --gin.KEY=VALUE, --topology=vN:AxB, "
-                        f"--num_slices=N, --search, --confirm=N, --max_minutes=M, --write=PATH")
+                        f"--num_slices=N, --search, --confirm=N, --max_minutes=M, --write=PATH, --jobs=N")
     flags[key] = value or True
-  searching = [f"--{key}" for key in ("confirm", "max_minutes", "write") if flags[key] is not None]
+  searching = [f"--{key}" for key in ("confirm", "max_minutes", "write", "jobs") if flags[key] is not None]
   if searching and not flags["search"]:
     raise ConfigError(f"{', '.join(searching)} only with --search")
   flags["num_slices"] = _number(flags, "num_slices", int, 1)
   flags["confirm"] = _number(flags, "confirm", int, 1, plan_search.MAX_CONFIRM) or plan_search.DEFAULT_CONFIRM
   flags["max_minutes"] = _number(flags, "max_minutes", float, 0)
+  flags["jobs"] = _number(flags, "jobs", int, 1, 3) or plan_search.DEFAULT_JOBS
   return flags
 
 
@@ -194,18 +199,21 @@ def main(argv) -> None:
     raise ConfigError("no --gin_file given, e.g. --gin_file=gin_configs/runs/xlnet_large_v3_512.gin")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type(flags["topology"]))
   cli.parse_gin(files, bindings)
-  from pretrain import trainer
+  from pretrain import compilation_cache, trainer
   arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
   num_slices = flags["num_slices"] or arguments["num_slices"]
   show = lambda line: print(line, flush=True)  # noqa: E731
-  if flags["search"]:
-    search_main(arguments, flags, num_slices, files, bindings, show)
-    return
-  try:
-    result = plan(arguments, flags["topology"], num_slices, show=show)
-  except DoesNotFit as e:
-    print(f"pretrain.plan: does not fit: {e}", file=sys.stderr)
-    sys.exit(2)
+  # Not through JAX's persistent cache: an executable compiled for a described topology, with no TPU client,
+  # cannot be loaded back (a second plan would warn, then compile anyway).
+  with compilation_cache.used(compilation_cache.OFF, model_dir=""):
+    if flags["search"]:
+      search_main(arguments, flags, num_slices, files, bindings, show)
+      return
+    try:
+      result = plan(arguments, flags["topology"], num_slices, show=show)
+    except DoesNotFit as e:
+      print(f"pretrain.plan: does not fit: {e}", file=sys.stderr)
+      sys.exit(2)
   for line in report_lines(result):
     print(line)
 
@@ -214,7 +222,8 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
   """--search: the ranked table and the best layout's flags; exit code 2 when nothing fits."""
   topology = flags["topology"]
   show(f"searching layouts of {', '.join(files)} on {topology} ({accelerator_type(topology)}) x {num_slices} slice(s)")
-  result = plan_search.search(arguments, topology, num_slices, flags["confirm"], flags["max_minutes"], show)
+  result = plan_search.search(arguments, topology, num_slices, flags["confirm"], flags["max_minutes"], show,
+                              flags["jobs"])
   for line in plan_search.table_lines(result):
     print(line)
   if result.best is None:

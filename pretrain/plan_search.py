@@ -28,9 +28,12 @@ depth. So an HBM-bound estimate can be far off: BERT-Large on a v5litepod-256, d
 1 and 2 layers: 0.5e9); pure data parallel, 3.24e9, 4.54e9 and 6.68e9 with 1 to 3 layers, about 2.9e10 with
 24. The confirmed figures decide.
 """
+import concurrent.futures
 import dataclasses
 import math
+import os
 import re
+import threading
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -41,6 +44,8 @@ REMAT_POLICIES = ("none", "dots", "full")  # each keeps fewer activations for th
 HEAD_COUNT_FIELDS = ("num_heads", "n_head")  # model configs' attention heads: BERT, ALBERT and BART; XLNet
 DEFAULT_CONFIRM = 3
 MAX_CONFIRM = 8  # full-size compiles of a large model take minutes each
+# Small compiles of one estimate at once (stacks of 1 and 2 layers; BART's two stacks make 3): each holds one CPU.
+DEFAULT_JOBS = max(1, min(3, os.cpu_count() or 1))
 ESTIMATING_SHARE = 0.6  # of --max_minutes: estimates stop there, leaving the rest to confirm the best of them
 _INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 
@@ -134,7 +139,7 @@ class LayoutSearch:
   """One search: the run, the slice, and every compile it has made (a step compiled once serves every use)."""
 
   def __init__(self, arguments: dict, topology: str, num_slices: int, show: Callable,
-               max_minutes: Optional[float] = None):
+               max_minutes: Optional[float] = None, jobs: int = 1):
     from pretrain import trainer
     self.arguments, self.topology, self.num_slices, self.show = arguments, topology, num_slices, show
     budget, now = (60 * max_minutes if max_minutes else math.inf), time.time()
@@ -146,6 +151,8 @@ class LayoutSearch:
                                         arguments["task_feature_lengths"])
     self.compiled: Dict[tuple, tuple] = {}  # (layout mesh, microbatches, model config) -> (figures or None, s)
     self.compiles = 0
+    self.jobs = jobs  # compiles at once
+    self._counting = threading.Lock()  # compiles are numbered as they start, in whichever thread
     self.model_flops = None
     self.usable_hbm = None
     self.discarded: Dict[str, int] = {}  # layouts not compiled: how many, by reason
@@ -184,14 +191,24 @@ class LayoutSearch:
     key = (layout.mesh, layout.microbatches, config)
     if key not in self.compiled:
       setup = self.setup(layout, config)  # before counting: make_setup may refuse the layout
-      self.compiles += 1
-      self.show(f"[{self.compiles}] {layout.label()}: {what} ...")
+      with self._counting:
+        self.compiles += 1
+        number = self.compiles
+      self.show(f"[{number}] {layout.label()}: {what} ...")
       try:
-        self.compiled[key] = roofline.measure(setup)
+        measured = roofline.measure(setup)
       except roofline.DoesNotFit:
-        self.compiled[key] = (None, 0.0)
-      self.show(f"[{self.compiles}] {layout.label()}: {what} {self.compiled[key][1]:.0f} s")
+        measured = (None, 0.0)
+      self.compiled[key] = measured
+      self.show(f"[{number}] {layout.label()}: {what} {measured[1]:.0f} s")
     return self.compiled[key]
+
+  def map(self, function: Callable, items: list) -> list:
+    """`function` over `items`, `jobs` at a time (threads: a compile holds no Python lock once traced)."""
+    if self.jobs == 1:
+      return list(map(function, items))
+    with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
+      return list(pool.map(function, items))
 
   def estimate(self, layout: Layout) -> Candidate:
     """The layout's figures from small unrolled compiles (roofline.unrolled_figures)."""
@@ -206,7 +223,7 @@ class LayoutSearch:
       return figures
 
     try:
-      figures = roofline.unrolled_figures(self.config(layout), self.family.layer_count_fields, small)
+      figures = roofline.unrolled_figures(self.config(layout), self.family.layer_count_fields, small, self.map)
     except roofline.DoesNotFit:
       figures = None
     return Candidate(layout, self.plan(layout, figures, sum(seconds)), confirmed=self.is_full_size(layout))
@@ -445,9 +462,9 @@ def _power_of_two(at_least: float) -> int:
 
 
 def search(arguments: dict, topology: str, num_slices: int, confirm: int = DEFAULT_CONFIRM,
-           max_minutes: Optional[float] = None, show: Callable = print) -> SearchResult:
-  """Searches the run's layouts on the topology; `show` gets a line per compile."""
-  return LayoutSearch(arguments, topology, num_slices, show, max_minutes).run(confirm)
+           max_minutes: Optional[float] = None, show: Callable = print, jobs: int = DEFAULT_JOBS) -> SearchResult:
+  """Searches the run's layouts on the topology, `jobs` small compiles at once; `show` gets a line per compile."""
+  return LayoutSearch(arguments, topology, num_slices, show, max_minutes, jobs).run(confirm)
 
 
 def table_lines(result: SearchResult) -> List[str]:

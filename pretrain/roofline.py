@@ -154,14 +154,13 @@ def model_flops_per_step(setup) -> float:
 
 
 def compile_step(setup):
-  """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings."""
-  from pretrain import compilation_cache, steps
+  """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings. Safe in
+  several threads at once; the caller keeps JAX's persistent cache off for a described topology
+  (`pretrain.plan.main`)."""
+  from pretrain import steps
   lowered = steps.lower_train_step(setup)  # as train() lowers it
   try:
-    # Not through JAX's persistent cache: an executable compiled for a described topology, with no TPU
-    # client, cannot be loaded back (a second plan would warn, then compile anyway).
-    with compilation_cache.used(compilation_cache.OFF, model_dir=""):
-      return lowered.compile()
+    return lowered.compile()
   except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -232,7 +231,7 @@ def step_cost(compiled, microbatches: int, kernels: KernelCosts) -> tuple:
   return flops * microbatches, bytes_accessed * microbatches
 
 
-def unrolled_figures(config, layer_count_fields, figures_of: Callable) -> StepFigures:
+def unrolled_figures(config, layer_count_fields, figures_of: Callable, mapper: Callable = map) -> StepFigures:
   """The figures of the step with model config `config`, its layers unrolled, without compiling them all.
 
   `figures_of(config)` compiles the step with another model config. The step's work is linear in each
@@ -240,17 +239,18 @@ def unrolled_figures(config, layer_count_fields, figures_of: Callable) -> StepFi
   two in one stack: a few small compiles instead of the full unrolled program (XLA counts a scanned stack's
   body once). What the second layer adds is taken as at least nothing, figure by figure. FLOPs and
   collectives extrapolate well, HBM bytes on TPU less so (pretrain.plan_search's docstring). A model of at
-  most two layers per stack is compiled as it is, which costs no more.
+  most two layers per stack is compiled as it is, which costs no more. `mapper(figures_of, configs)` makes the
+  small compiles (`map`: one after another; a thread pool's map: at once).
   """
   depths = {name: getattr(config, name) for name in layer_count_fields}
   unrolled = dataclasses.replace(config, scan_layers=False)
   if max(depths.values()) <= 2:
     return figures_of(unrolled)
   one_layer = dataclasses.replace(unrolled, **dict.fromkeys(depths, 1))
-  base = figures_of(one_layer)
+  base, *two_layers = mapper(figures_of, [one_layer] + [dataclasses.replace(one_layer, **{name: 2}) for name in depths])
   total = base
-  for name, depth in depths.items():
-    total = total.plus(base.added_by(figures_of(dataclasses.replace(one_layer, **{name: 2}))), depth - 1)
+  for depth, deeper in zip(depths.values(), two_layers):
+    total = total.plus(base.added_by(deeper), depth - 1)
   return total
 
 

@@ -277,3 +277,12 @@ def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_r
   search = Confirming()
   search.confirming_ends = 0.0
   assert confirmed(search) == ([], [False] * 6) and search.stopped_early
+
+
+@pytest.mark.parametrize("flags, said", [
+    (("--search", "--jobs=4"), "--jobs=4: expected a whole number from 1 to 3"),
+    (("--jobs=2",), "--jobs only with --search")])
+def test_a_bad_search_flag_is_named_in_one_line(flags, said):
+  result = run_plan(*flags)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1] == f"pretrain.plan: error: {said}"

@@ -61,3 +61,22 @@ def test_what_a_layer_adds_is_never_below_zero():
   shallowest = figures_of(TwoStacks(1, 1, scan_layers=False))
   assert figures.bytes_accessed == shallowest.bytes_accessed and figures.collectives.total == pytest.approx(
       shallowest.collectives.total)
+
+
+def test_the_small_compiles_of_an_estimate_can_run_at_once_with_the_same_figures():
+  """pretrain.plan --search maps them over `--jobs` threads (LayoutSearch.map): each of the three compiles here
+  waits until all three have started, so one after another would time out."""
+  import threading
+  import types
+
+  from pretrain.plan_search import LayoutSearch
+  started = threading.Barrier(3, timeout=30)
+
+  def figures_of(config):
+    started.wait()
+    return figures_of_depth(config)
+
+  search = types.SimpleNamespace(jobs=3)
+  at_once = unrolled_figures(TwoStacks(12, 6), ("encoder_layers", "decoder_layers"), figures_of,
+                             lambda function, items: LayoutSearch.map(search, function, items))
+  assert at_once == unrolled_figures(TwoStacks(12, 6), ("encoder_layers", "decoder_layers"), figures_of_depth)

@@ -50,7 +50,7 @@ at most {plan_search.MAX_CONFIRM})
   --max_minutes=M             with --search: estimate for 60% of M minutes, confirm until M, report what it has
   --write=PATH                with --search: write a run file of the run with the best layout
   --jobs=N                    with --search: small compiles at once, a CPU each (default {plan_search.DEFAULT_JOBS} \
-here, at most 3; a large model's take GBs of host memory each)""")
+here, at most {plan_search.MAX_JOBS}; a large model's take GBs of host memory each)""")
 
 
 def setup_lines(p: Plan) -> list:
@@ -168,7 +168,7 @@ def _flags(rest: list) -> dict:
   flags["num_slices"] = _number(flags, "num_slices", int, 1)
   flags["confirm"] = _number(flags, "confirm", int, 1, plan_search.MAX_CONFIRM) or plan_search.DEFAULT_CONFIRM
   flags["max_minutes"] = _number(flags, "max_minutes", float, 0)
-  flags["jobs"] = _number(flags, "jobs", int, 1, 3) or plan_search.DEFAULT_JOBS
+  flags["jobs"] = _number(flags, "jobs", int, 1, plan_search.MAX_JOBS) or plan_search.DEFAULT_JOBS
   return flags
 
 

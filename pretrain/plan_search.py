@@ -44,8 +44,8 @@ REMAT_POLICIES = ("none", "dots", "full")  # each keeps fewer activations for th
 HEAD_COUNT_FIELDS = ("num_heads", "n_head")  # model configs' attention heads: BERT, ALBERT and BART; XLNet
 DEFAULT_CONFIRM = 3
 MAX_CONFIRM = 8  # full-size compiles of a large model take minutes each
-# Small compiles of one estimate at once (stacks of 1 and 2 layers; BART's two stacks make 3): each holds one CPU.
-DEFAULT_JOBS = max(1, min(3, os.cpu_count() or 1))
+MAX_JOBS = 3  # the most small compiles one estimate makes (stacks of 1 and 2 layers; BART's two stacks: 3)
+DEFAULT_JOBS = max(1, min(MAX_JOBS, os.cpu_count() or 1))  # compiles at once: each holds one CPU
 ESTIMATING_SHARE = 0.6  # of --max_minutes: estimates stop there, leaving the rest to confirm the best of them
 _INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 
@@ -208,7 +208,14 @@ class LayoutSearch:
     if self.jobs == 1:
       return list(map(function, items))
     with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
-      return list(pool.map(function, items))
+      futures = [pool.submit(function, item) for item in items]
+      try:
+        return [future.result() for future in futures]
+      except KeyboardInterrupt:
+        for future in futures:
+          future.cancel()
+        self.show("stopping once the compiles under way end (XLA's compile cannot be interrupted)")
+        raise
 
   def estimate(self, layout: Layout) -> Candidate:
     """The layout's figures from small unrolled compiles (roofline.unrolled_figures)."""

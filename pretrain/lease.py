@@ -22,6 +22,10 @@ from pretrain.errors import ConfigError
 
 LEASE_FILE = "RUNNING"
 
+# A heartbeat rewrites the lease in place, so a reader may catch it half-written: it reads again before it
+# takes the file as unreadable (held, by nobody it can name).
+_READ_ATTEMPTS = 5
+
 
 def _alive_here(holder: dict) -> bool:
   """False only when the holder ran on this host and its process is gone."""
@@ -53,10 +57,13 @@ class Lease:
     try:
       if not self.path.exists():
         return None
-      try:
-        return json.loads(self.path.read_text())
-      except (ValueError, OSError):
-        return {"heartbeat": self.path.stat().mtime}
+      for attempt in range(_READ_ATTEMPTS):
+        try:
+          return json.loads(self.path.read_text())
+        except (ValueError, OSError):
+          if attempt + 1 < _READ_ATTEMPTS:  # read while the holder's heartbeat rewrote it: read again
+            time.sleep(0.1)
+      return {"heartbeat": self.path.stat().mtime}
     except FileNotFoundError:  # released between the checks: another process's run ended
       return None
 

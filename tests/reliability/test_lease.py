@@ -106,3 +106,23 @@ def test_a_lease_released_while_others_read_it_reads_as_free(tmp_path):
   holder._beat()
   other.release()
   assert holder.path.exists()  # not its lease
+
+
+def test_a_lease_read_while_its_heartbeat_rewrites_it_names_its_holder(tmp_path):
+  """The heartbeat rewrites the file in place: a reader that catches it half-written reads again."""
+  import threading
+  first = lease.Lease(str(tmp_path))
+  record = {"host": "elsewhere", "pid": 4321, "token": "t", "heartbeat": time.time()}
+  text = json.dumps(record)
+  first.path.write_text(text[:len(text) // 2])  # as a reader sees a write under way
+
+  def finish_the_write():
+    time.sleep(0.03)
+    first.path.write_text(text)
+
+  writer = threading.Thread(target=finish_the_write)
+  writer.start()
+  try:
+    assert lease.Lease(str(tmp_path)).holder() == record
+  finally:
+    writer.join()

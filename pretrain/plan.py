@@ -230,7 +230,7 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
     print(f"pretrain.plan: no layout fits: {result.suggestion}", file=sys.stderr)
     sys.exit(2)
   unconfirmed = "" if result.best.confirmed else " (an estimate: not compiled at full size)"
-  print(f"best: {result.best.layout.label()}{unconfirmed}; train with:")
+  print(f"best: {result.best.layout.label()}{unconfirmed}{plan_search.against_run_layout(result)}; train with:")
   print(f"  {plan_search.gin_flags(result, arguments)}")
   if flags["write"]:
     header = (f"Layout chosen by `python -m pretrain.plan --search --topology={topology}` on "

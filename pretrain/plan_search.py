@@ -19,6 +19,8 @@ and layers unrolled or scanned. Cheapest pruning first:
    once it is compiled at full size.
 4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures; a
    scanned layout whose unrolled twin fits with room is not among them (it saves memory, not time).
+The run's own layout (its MESH_SHAPE, MICROBATCHES and remat, unrolled) is estimated first where the slice can
+have it: it is what the search must beat, the table marks it, and its measured memory prunes from the start.
 How far estimates go: FLOPs, collectives and the state's HBM are linear in depth and extrapolate exactly. Peak
 temporaries are not additive: XLNet-Large and ALBERT-xxlarge came within 3%, BERT-Large on a v3-512 26% short
 (see explore_model_split). XLA's count of HBM bytes on TPU is not linear in depth at a few layers: it includes
@@ -104,6 +106,7 @@ class SearchResult:
   seconds: float
   stopped_early: bool  # max_minutes ran out
   config_name: str  # how gin names the model config, e.g. bert.BertConfig
+  run_layout: Optional[Layout] = None  # the run's own, where the slice can have it
   suggestion: str = ""  # when nothing fits: the smallest change that would
 
 
@@ -259,6 +262,20 @@ class LayoutSearch:
     groups = self.data_parallel_groups(dict(mesh))
     return divisors(max(1, self.arguments["batch_size"] // groups))
 
+  def run_layout(self) -> Optional[Layout]:
+    """The layout the run's gin files set, unrolled (a scanned step takes its unrolled twin's estimate); None
+    where this slice cannot have it."""
+    from pretrain import partitioning, steps
+    try:
+      shape = partitioning.resolve_mesh_shape(self.arguments["mesh_shape"], len(self.devices))
+      microbatches = steps.resolve_microbatches(self.arguments["batch_size"], self.data_parallel_groups(shape),
+                                                self.arguments["microbatches"],
+                                                self.arguments["microbatch_rows_per_group"])
+    except (ConfigError, ValueError):
+      return None
+    mesh = tuple((axis, shape[axis]) for axis in partitioning.MESH_AXES)
+    return Layout(mesh, microbatches, self.family.config.remat_policy, False)
+
   def run(self, confirm: int) -> SearchResult:
     start = time.time()
     config = self.family.config
@@ -282,7 +299,10 @@ class LayoutSearch:
         _count(self.discarded, "parameters, gradients and optimizer state alone exceed HBM", layouts_per_mesh[mesh])
       else:
         holding.setdefault(dict(mesh)["model"], []).append(mesh)
-    estimates = [c for split in holding.values() for c in self.explore_model_split(split, floors)]
+    run_layout = self.run_layout()
+    # The run's model split first, so that its layout is estimated whatever --max_minutes leaves.
+    splits = sorted(holding.values(), key=lambda split: run_layout is None or run_layout.mesh not in split)
+    estimates = [c for split in splits for c in self.explore_model_split(split, floors, run_layout)]
     fitting = [c for c in estimates if c.fits]
     if can_scan:
       estimates += [Candidate(dataclasses.replace(c.layout, scan_layers=True),
@@ -299,7 +319,7 @@ class LayoutSearch:
         ranked[index] = Candidate(candidate.layout, dataclasses.replace(twin.plan, scan_layers=True))
     ranked.sort(key=Candidate.rank_key)
     result = SearchResult(ranked, _best(ranked), considered, self.discarded, self.compiles, time.time() - start,
-                          self.stopped_early, config_name(config))
+                          self.stopped_early, config_name(config), run_layout)
     if result.best is None:
       result.suggestion = ("--max_minutes ran out before any layout was found to fit: allow more"
                            if result.stopped_early else self.suggestion(ranked, floors, least_floor))
@@ -325,7 +345,7 @@ class LayoutSearch:
         ranked[index] = self.confirm(candidate, twin)
       confirmed += 1
 
-  def explore_model_split(self, meshes: List[tuple], floors: dict) -> List[Candidate]:
+  def explore_model_split(self, meshes: List[tuple], floors: dict, first: Optional[Layout] = None) -> List[Candidate]:
     """The fitting layouts that no other fitting one dominates, for meshes of one model size (least fsdp
     first): more fsdp, microbatches or remat each save memory and cost time, so a layout is estimated
     only where no fitting one has as little of all three. Except for fsdp where HBM traffic bounds a fitting
@@ -334,28 +354,47 @@ class LayoutSearch:
     HEADROOM_WARNING free dominates nothing: small compiles underestimate a deep step's peak HBM (BERT-Large
     on a v3-512: 3.18 GiB estimated, 4.32 GiB compiled), so the safer layouts beyond it are estimated too.
     A layout predicted from this remat's estimates (predicted_hbm) to need more HBM than there is is not
-    compiled."""
+    compiled. `first`, where it is one of these layouts, is estimated before the others (the run's own)."""
     counts = self.valid_microbatches(meshes[0])
     limit = self.hbm_limit(meshes[0])
     estimates, fitting = [], []  # fitting: (mesh index, microbatches, remat index)
+    measured = {remat: [] for remat in REMAT_POLICIES}  # (temporaries, microbatches, state) of the estimates
+
+    def estimate(layout: Layout) -> Candidate:
+      candidate = self.estimate(layout)
+      estimates.append(candidate)
+      if candidate.plan.figures is not None:
+        state = floors[layout.mesh]
+        measured[layout.remat].append((candidate.plan.figures.hbm_total - state, layout.microbatches, state))
+      return candidate
+
+    if first is not None and first.mesh in meshes and first.microbatches in counts and first.remat in measured:
+      if self.past(self.estimating_ends):
+        return estimates
+      try:
+        first = estimate(first)
+      except ConfigError:  # the walk reaches it and counts its row as invalid
+        first = None
+    else:
+      first = None
     for remat_index, remat in enumerate(REMAT_POLICIES):
-      measured = []  # (temporaries, microbatches, state) of the estimates with this remat
       for microbatches in counts:
         undominated = min((i for i, m, r in fitting if m <= microbatches and r <= remat_index), default=len(meshes))
         faster_than = None  # seconds of the last fitting layout of this row, while more fsdp may beat it
         for index, mesh in enumerate(meshes[:undominated]):
-          if predicted_hbm(floors[mesh], microbatches, measured) > limit:
-            continue
-          if self.past(self.estimating_ends):
-            return estimates
-          try:
-            candidate = self.estimate(Layout(mesh, microbatches, remat, False))
-          except ConfigError as e:  # e.g. bi_data's row pairs split by this many microbatches, on every mesh
-            _count(self.discarded, f"invalid ({invalid_reason(e)})", len(meshes))
-            break
-          estimates.append(candidate)
-          if candidate.plan.figures is not None:
-            measured.append((candidate.plan.figures.hbm_total - floors[mesh], microbatches, floors[mesh]))
+          layout = Layout(mesh, microbatches, remat, False)
+          if first is not None and layout == first.layout:
+            candidate = first
+          else:
+            if predicted_hbm(floors[mesh], microbatches, measured[remat]) > limit:
+              continue
+            if self.past(self.estimating_ends):
+              return estimates
+            try:
+              candidate = estimate(layout)
+            except ConfigError as e:  # e.g. bi_data's row pairs split by this many microbatches, on every mesh
+              _count(self.discarded, f"invalid ({invalid_reason(e)})", len(meshes))
+              break
           if faster_than is not None and not (candidate.fits and candidate.plan.overlapped_seconds() < faster_than):
             break
           if candidate.roomy:
@@ -487,6 +526,8 @@ def table_lines(result: SearchResult) -> List[str]:
     if c.estimate is not None and c.estimate.figures is not None:
       source += (f" (estimate {c.estimate.figures.hbm_total / roofline.GIB:.2f} GiB, "
                  f"{c.estimate.overlapped_seconds():.3g} s)")
+    if c.layout == result.run_layout:
+      source += "; the run's own layout"
     lines.append(f"{rank} | {c.layout.label()} | {'yes' if c.fits else 'no'}: {p.figures.hbm_total / roofline.GIB:.2f} "
                  f"of {p.hbm_limit / roofline.GIB:.2f} GiB ({p.headroom:.0%}) | {p.overlapped_seconds():.3g} s / "
                  f"{p.serial_seconds():.3g} s | {p.mfu(p.overlapped_seconds()):.1%} | {p.compile_seconds:.0f} s | "
@@ -496,6 +537,19 @@ def table_lines(result: SearchResult) -> List[str]:
   lines.append(f"{result.layouts} layouts, {result.compiles} compiles in {result.seconds:.0f} s{stopped}; "
                f"not compiled: {not_compiled or 'none'}")
   return lines
+
+
+def against_run_layout(result: SearchResult) -> str:
+  """How the best layout compares with the run's own, where the search ranked that."""
+  own = next((c for c in result.candidates if c.layout == result.run_layout), None)
+  if own is None or result.best is None:
+    return ""
+  if own is result.best:
+    return ", the run's own layout"
+  if not own.fits:
+    return ", where the run's own layout does not fit"
+  best, given = result.best.plan.overlapped_seconds(), own.plan.overlapped_seconds()
+  return f", {given / best:.2f}x the speed of the run's own layout ({given:.3g} s -> {best:.3g} s)"
 
 
 def gin_flags(result: SearchResult, arguments: dict) -> str:

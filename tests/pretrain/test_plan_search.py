@@ -43,10 +43,11 @@ def test_fitting_layouts_are_ranked_by_estimated_step_time(searched):
   assert len({layout.rsplit(" ", 1)[0] for layout, *_ in rows}) == 2, out  # two meshes, each with its scanned twin
   assert all(fits for _, fits, *_ in rows) and [row[2] for row in rows] == sorted(row[2] for row in rows), out
   # A stack of one layer: the small compile is the full step. A scanned twin shares its twin's estimate.
-  assert rows[0][3] == "confirmed" and rows[0][0].endswith(" unrolled"), out
+  # The run file's layout (data 8: MESH_SHAPE's data=-1, one microbatch) is marked, and is the best.
+  assert rows[0][3] == "confirmed; the run's own layout" and rows[0][0] == "data=8 mb=1 remat=none unrolled", out
   assert rows[1][0] == rows[0][0].replace(" unrolled", " scan") and rows[1][3] == "estimate (memory as unrolled)", out
   best = re.search(r"^best: (.+); train with:$", out, re.MULTILINE).group(1)
-  assert best == rows[0][0]
+  assert best == f"{rows[0][0]}, the run's own layout"
   # Each compile says what it compiles and how long it took; a layout with more of fsdp, microbatches or
   # remat than a fitting one is not compiled, except that a tiny model's step is bound by HBM traffic, which
   # fsdp divides: so fsdp 2 is compiled beside the fitting fsdp 1, found slower, and no more.
@@ -124,9 +125,10 @@ def made_up_plan(hbm: float, limit: float, times: dict):
 MESHES = [(("replica", 1), ("data", 4 // fsdp), ("fsdp", fsdp), ("model", 1)) for fsdp in (1, 2, 4)]
 
 
-def explored(search: MadeUpSearch) -> dict:
-  """{(fsdp, microbatches, remat): fits} of the layouts the search estimated."""
-  estimates = search.explore_model_split(MESHES, {mesh: search.STATE[dict(mesh)["fsdp"]] for mesh in MESHES})
+def explored(search: MadeUpSearch, first=None) -> dict:
+  """{(fsdp, microbatches, remat): fits} of the layouts the search estimated, in the order it estimated them."""
+  estimates = search.explore_model_split(MESHES, {mesh: search.STATE[dict(mesh)["fsdp"]] for mesh in MESHES}, first)
+  assert [c.layout for c in estimates] == search.estimated  # each estimated once
   return {(layout.mesh_shape["fsdp"], layout.microbatches, layout.remat): candidate.fits
           for layout, candidate in zip(search.estimated, estimates)}
 
@@ -141,6 +143,18 @@ def test_the_search_compiles_no_layout_that_a_fitting_one_dominates_or_that_cann
   # compiled, no 'full'.
   assert tried == {(1, 1, "none"): False, (2, 1, "none"): False, (4, 1, "none"): True, (1, 2, "none"): True,
                    (1, 1, "dots"): True}
+
+
+def test_the_runs_own_layout_is_estimated_first_and_its_memory_prunes_from_the_start():
+  own = plan_search.Layout(MESHES[1], 2, "none", False)  # fsdp 2, two microbatches: 25 + 40, with room
+  tried = explored(MadeUpSearch(), first=own)
+  # Its 40 of temporaries at two microbatches could be a share of its state (25): fsdp 1 with one microbatch
+  # then needs at least 40 + 40 × min(40 / 25, 2) = 104, so it is not compiled (the first test compiles it).
+  # The rest of the walk is as there; it reaches the run's layout no more: two microbatches fit on fsdp 1.
+  assert list(tried.items()) == [((2, 2, "none"), True), ((2, 1, "none"), False), ((4, 1, "none"), True),
+                                 ((1, 2, "none"), True), ((1, 1, "dots"), True)]
+  # A layout that is not among the split's (3 microbatches do not divide the rows) changes nothing.
+  assert explored(MadeUpSearch(), first=dataclasses.replace(own, microbatches=3)) == explored(MadeUpSearch())
 
 
 def test_a_layout_is_left_out_only_where_no_mix_of_activations_and_state_sized_temporaries_would_fit():

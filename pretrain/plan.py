@@ -33,6 +33,7 @@ plan one configuration at a time.
 import dataclasses
 import os
 import sys
+import threading
 import time
 
 from pretrain import cli, plan_search, roofline
@@ -186,6 +187,17 @@ def _number(flags: dict, key: str, kind, least, most=None):
   return value
 
 
+def _print_whole_lines():
+  """print for the search's compile threads: print writes a line and its newline apart, so two threads'
+  lines could run into each other."""
+  printing = threading.Lock()
+
+  def show(line: str) -> None:
+    with printing:
+      print(line, flush=True)
+  return show
+
+
 def main(argv) -> None:
   # The plan compiles for a described topology and opens no TPU: it may run beside any other libtpu
   # user (another plan, training on this host), which libtpu's lockfile would refuse. libtpu wants to
@@ -202,7 +214,7 @@ def main(argv) -> None:
   from pretrain import compilation_cache, trainer
   arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
   num_slices = flags["num_slices"] or arguments["num_slices"]
-  show = lambda line: print(line, flush=True)  # noqa: E731
+  show = _print_whole_lines()
   # Not through JAX's persistent cache: an executable compiled for a described topology, with no TPU client,
   # cannot be loaded back (a second plan would warn, then compile anyway).
   with compilation_cache.used(compilation_cache.OFF, model_dir=""):

@@ -20,7 +20,8 @@ and layers unrolled or scanned. Cheapest pruning first:
 4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures; a
    scanned layout whose unrolled twin fits with room is not among them (it saves memory, not time).
 The run's own layout (its MESH_SHAPE, MICROBATCHES and remat, unrolled) is estimated first where the slice can
-have it: it is what the search must beat, the table marks it, and its measured memory prunes from the start.
+have it: it is what the search must beat, the table marks it, and its measured memory prunes from the start,
+with that of its mesh at twice its microbatches (explore_model_split).
 How far estimates go: FLOPs, collectives and the state's HBM are linear in depth and extrapolate exactly. Peak
 temporaries are not additive: XLNet-Large and ALBERT-xxlarge came within 3%, BERT-Large on a v3-512 26% short
 (see explore_model_split). XLA's count of HBM bytes on TPU is not linear in depth at a few layers: it includes
@@ -354,7 +355,8 @@ class LayoutSearch:
     HEADROOM_WARNING free dominates nothing: small compiles underestimate a deep step's peak HBM (BERT-Large
     on a v3-512: 3.18 GiB estimated, 4.32 GiB compiled), so the safer layouts beyond it are estimated too.
     A layout predicted from this remat's estimates (predicted_hbm) to need more HBM than there is is not
-    compiled. `first`, where it is one of these layouts, is estimated before the others (the run's own)."""
+    compiled. `first`, where it is one of these layouts, is estimated before the others (the run's own), and
+    where it fits with microbatches, its mesh at twice as many."""
     counts = self.valid_microbatches(meshes[0])
     limit = self.hbm_limit(meshes[0])
     estimates, fitting = [], []  # fitting: (mesh index, microbatches, remat index)
@@ -368,24 +370,31 @@ class LayoutSearch:
         measured[layout.remat].append((candidate.plan.figures.hbm_total - state, layout.microbatches, state))
       return candidate
 
-    if first is not None and first.mesh in meshes and first.microbatches in counts and first.remat in measured:
-      if self.past(self.estimating_ends):
-        return estimates
-      try:
-        first = estimate(first)
-      except ConfigError:  # the walk reaches it and counts its row as invalid
-        first = None
-    else:
-      first = None
+    known = {}  # estimated before the walk
+    if first is not None and first.mesh in meshes and first.remat in measured:
+      # Where it fits with microbatches, its mesh at twice as many next: the cheapest compile (half the rows per
+      # core) that tells its activations from its state share (predicted_hbm), so that the layouts of fewer
+      # microbatches, whose compiles cost the most, are predicted rather than compiled where they cannot fit.
+      twice = dataclasses.replace(first, microbatches=2 * first.microbatches)
+      for layout in (first, twice) if first.microbatches > 1 else (first,):
+        if layout.microbatches not in counts:
+          break
+        if self.past(self.estimating_ends):
+          return estimates
+        try:
+          known[layout] = estimate(layout)
+        except ConfigError:  # the walk reaches it and counts its row as invalid
+          break
+        if not known[layout].fits:
+          break
     for remat_index, remat in enumerate(REMAT_POLICIES):
       for microbatches in counts:
         undominated = min((i for i, m, r in fitting if m <= microbatches and r <= remat_index), default=len(meshes))
         faster_than = None  # seconds of the last fitting layout of this row, while more fsdp may beat it
         for index, mesh in enumerate(meshes[:undominated]):
           layout = Layout(mesh, microbatches, remat, False)
-          if first is not None and layout == first.layout:
-            candidate = first
-          else:
+          candidate = known.get(layout)
+          if candidate is None:
             if predicted_hbm(floors[mesh], microbatches, measured[remat]) > limit:
               continue
             if self.past(self.estimating_ends):

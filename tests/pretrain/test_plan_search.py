@@ -145,14 +145,21 @@ def test_the_search_compiles_no_layout_that_a_fitting_one_dominates_or_that_cann
                    (1, 1, "dots"): True}
 
 
-def test_the_runs_own_layout_is_estimated_first_and_its_memory_prunes_from_the_start():
+def test_the_runs_own_layout_is_estimated_first_then_its_mesh_at_twice_its_microbatches():
+  """The cheapest compile that tells activations from a share of the state: one-microbatch layouts, the dearest
+  to compile (the most rows per core), are then predicted, not compiled, where they cannot fit."""
   own = plan_search.Layout(MESHES[1], 2, "none", False)  # fsdp 2, two microbatches: 25 + 40, with room
   tried = explored(MadeUpSearch(), first=own)
-  # Its 40 of temporaries at two microbatches could be a share of its state (25): fsdp 1 with one microbatch
-  # then needs at least 40 + 40 × min(40 / 25, 2) = 104, so it is not compiled (the first test compiles it).
-  # The rest of the walk is as there; it reaches the run's layout no more: two microbatches fit on fsdp 1.
-  assert list(tried.items()) == [((2, 2, "none"), True), ((2, 1, "none"), False), ((4, 1, "none"), True),
+  # 25 + 40 with two microbatches and 25 + 20 with four: temporaries are activations of 80 per microbatch, so
+  # one microbatch needs 40 + 80 on fsdp 1 and 25 + 80 on fsdp 2, not compiled (the first test compiles
+  # both), and 12 + 80 on fsdp 4: compiled, with too little free to dominate. The walk goes on as there.
+  assert list(tried.items()) == [((2, 2, "none"), True), ((2, 4, "none"), True), ((4, 1, "none"), True),
                                  ((1, 2, "none"), True), ((1, 1, "dots"), True)]
+  # A run's layout that does not fit is not followed by its twin: layouts of more rows cannot fit either.
+  too_big = MadeUpSearch()
+  too_big.ACTIVATIONS = {"none": 160, "dots": 80, "full": 40}
+  tried = explored(too_big, first=own)
+  assert list(tried.items())[0] == ((2, 2, "none"), False) and (2, 4, "none") not in tried
   # A layout that is not among the split's (3 microbatches do not divide the rows) changes nothing.
   assert explored(MadeUpSearch(), first=dataclasses.replace(own, microbatches=3)) == explored(MadeUpSearch())
 

@@ -234,6 +234,22 @@ def test_the_best_layout_keeps_headroom_and_ties_of_compute_bound_layouts_go_to_
   assert plan_search._best([confirmed_tight, roomy]) is confirmed_tight  # a compile beats an estimate
 
 
+def test_the_best_line_compares_the_best_layout_with_the_runs_own():
+  def candidate(fsdp, hbm, seconds):
+    layout = plan_search.Layout(MESHES[[1, 2, 4].index(fsdp)], 1, "none", False)
+    return plan_search.Candidate(layout, made_up_plan(hbm, 100, {"compute": seconds, "HBM": 0, "communication": 0}))
+
+  def said(ranked, own):
+    result = plan_search.SearchResult(ranked, plan_search._best(ranked), 3, {}, 3, 1.0, False, "bert.BertConfig",
+                                      own.layout)
+    return plan_search.against_run_layout(result)
+
+  fast, slow, too_big = candidate(2, 60, 1.0), candidate(1, 70, 1.25), candidate(4, 120, 0.9)
+  assert said([fast, slow], slow) == ", 1.25x the speed of the run's own layout (1.25 s -> 1 s)"
+  assert said([fast, slow], fast) == ", the run's own layout"
+  assert said([too_big, fast], too_big) == ", where the run's own layout does not fit"
+
+
 def test_max_minutes_stops_the_search_and_reports_what_it_has():
   result = run_plan("--search", "--max_minutes=0.0001", *TINY)  # over before the first compile
   assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]

@@ -7,6 +7,7 @@ step's.
 """
 import dataclasses
 import functools
+import threading
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import flax
@@ -21,6 +22,12 @@ from models import layers
 from pretrain import optimizers, partitioning
 from pretrain.errors import ConfigError
 from pretrain.families.base import Family, weight_totals
+
+# flax.linen makes module classes as it traces a model (its lifted scan and remat), and making one edits its base
+# classes' dataclass fields for a moment: two threads must not trace a model at once. A start traces the init
+# while the train step is traced in a thread beside it, and a layout search traces in several; the compiles,
+# which take the time, still overlap.
+MODEL_TRACING = threading.RLock()
 
 
 @flax.struct.dataclass
@@ -48,8 +55,9 @@ class Setup:
 
   def abstract_state(self) -> TrainState:
     # Once per setup: tracing the init costs seconds, and a start asks for it to restore and to compile.
-    if self._abstract_state is None:
-      self._abstract_state = jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
+    with MODEL_TRACING:
+      if self._abstract_state is None:
+        self._abstract_state = jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
     return self._abstract_state
 
   def sharded_abstract_state(self) -> TrainState:
@@ -251,8 +259,16 @@ def jit_train_step(setup: Setup):
 def lower_train_step(setup: Setup):
   """The train step lowered ahead of time for the state's and a batch's shapes and shardings, traced under the
   run's mesh and axis rules (thread-local: a thread that lowers it enters them itself)."""
-  with partitioning.tracing_context(setup.mesh, setup.rules):
+  with MODEL_TRACING, partitioning.tracing_context(setup.mesh, setup.rules):
     return jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes())
+
+
+def fresh_state(setup: Setup, seed: int) -> TrainState:
+  """A new state from `seed`, made on the devices in its shardings."""
+  rng = jax.random.PRNGKey(seed)
+  with MODEL_TRACING:
+    lowered = jax.jit(setup.init_state, out_shardings=setup.state_shardings).lower(rng)
+  return lowered.compile()(rng)
 
 
 def jit_eval_step(setup: Setup):

@@ -11,6 +11,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Set, Tuple
 import gin
 from gin import config_parser
 
+from pretrain import signals
 from pretrain.errors import USER_ERRORS, ConfigError, Interrupted, one_line, user_settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -257,6 +258,4 @@ def run(program: str, main: Callable[[], None]) -> None:
   except USER_ERRORS as e:
     fail(e, program)
   except Interrupted as e:  # stopped by a signal: its line is out; JAX's exit handler would wait minutes for peers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(e.exit_code)
+    signals.exit_stopped(e.exit_code)

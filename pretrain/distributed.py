@@ -4,10 +4,13 @@
 the TPU runtime tells JAX its peers, and on GPU machines SLURM's or Open MPI's environment does. A
 single process joins a job of its own on loopback: JAX's preemption service, which turns a SIGTERM
 into an agreed step to checkpoint (`multihost_utils.reached_preemption_sync_point`), runs only inside
-a job; until training begins, pretrain.signals holds SIGTERM and Ctrl-C.
+a job; until training begins, pretrain.signals holds SIGTERM and Ctrl-C, and the processes of a job stop
+together (`StartUpStops`).
 """
 import os
 import socket
+import time
+from typing import Optional, Tuple
 
 from pretrain import signals
 
@@ -23,6 +26,54 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind((LOOPBACK, 0))
     return s.getsockname()[1]
+
+
+class StartUpStops:
+  """How the processes of a job stop together before training begins, through the job's key-value store.
+
+  The process a signal stops tells the others (`announce`), which stop too, as if they had the signal; a
+  process that the launcher would only signal once this one has ended could not: process 0's end takes the
+  job's coordination service with it, and JAX aborts every process still connected to it. For the same
+  reason no process ends before all are ending (`end_together`), and then they leave the job cleanly.
+  """
+  _STOPPED = "pod_pretrain/stopped_in_start_up"  # "<signal> <process>", set once per job
+  _ENDING = "pod_pretrain/ending/"  # + process index
+
+  def __init__(self, client, process_index: int, process_count: int):
+    self._client, self._index, self._count = client, process_index, process_count
+
+  def announce(self, signum: int) -> None:
+    try:
+      self._client.key_value_set(self._STOPPED, f"{signum} {self._index}")
+    except Exception:  # set already (another process was stopped first), or the job is gone: nothing to tell
+      pass
+
+  def stopped_process(self, seconds: float) -> Optional[Tuple[int, int]]:
+    """(signal, process) of the stop announced in the job, waiting up to `seconds` for one; None if none came."""
+    import jax
+
+    try:
+      value = self._client.blocking_key_value_get(self._STOPPED, int(seconds * 1000))
+    except jax.errors.JaxRuntimeError as e:
+      if "DEADLINE_EXCEEDED" in str(e):
+        return None
+      raise
+    signum, process = value.split()
+    return int(signum), int(process)
+
+  def end_together(self, seconds: float) -> None:
+    """Returns once every process has come here too and the job is shut down, or after `seconds` without them."""
+    import jax
+
+    deadline = time.monotonic() + seconds
+    try:
+      self._client.key_value_set(f"{self._ENDING}{self._index}", "1")
+      for process in range(self._count):
+        self._client.blocking_key_value_get(f"{self._ENDING}{process}",
+                                            max(1, int(1000 * (deadline - time.monotonic()))))
+    except Exception:  # one did not come (it may be gone already): end without waiting longer
+      return
+    jax.distributed.shutdown()
 
 
 def launched_as_cluster_tasks() -> bool:
@@ -48,7 +99,20 @@ def initialize() -> None:
     address = f"{LOOPBACK}:{free_port()}"
     jax.distributed.initialize(coordinator_address=address, coordinator_bind_address=address, num_processes=1,
                                process_id=0)
-  signals.hold_until_training()  # JAX's preemption service acts only at a step: until then, a signal stops the run
+  # JAX's preemption service acts only at a step: until then, a signal stops the run.
+  signals.hold_until_training(_start_up_stops())
+
+
+def _start_up_stops() -> Optional[StartUpStops]:
+  """The job's StartUpStops if it has several processes. JAX keeps its key-value store client private; orbax
+  reads it from the same place. (jax.process_count() would start the backends, which a program may configure
+  after joining.)"""
+  from jax._src import distributed as jax_distributed
+
+  state = jax_distributed.global_state
+  if state.num_processes < 2:
+    return None
+  return StartUpStops(state.client, state.process_id, state.num_processes)
 
 
 def any_process(flag: bool) -> bool:

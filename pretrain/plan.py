@@ -51,7 +51,7 @@ at most {plan_search.MAX_CONFIRM})
   --max_minutes=M             with --search: estimate for 60% of M minutes, confirm until M, report what it has
   --write=PATH                with --search: write a run file of the run with the best layout
   --jobs=N                    with --search: small compiles at once, a CPU each (default {plan_search.DEFAULT_JOBS} \
-here, at most {plan_search.MAX_JOBS}; a large model's take GBs of host memory each)""")
+here: one per CPU and {plan_search.COMPILE_HOST_BYTES // 2**30} GiB of RAM, at most {plan_search.MAX_JOBS})""")
 
 
 def setup_lines(p: Plan) -> list:

@@ -48,7 +48,17 @@ HEAD_COUNT_FIELDS = ("num_heads", "n_head")  # model configs' attention heads: B
 DEFAULT_CONFIRM = 3
 MAX_CONFIRM = 8  # full-size compiles of a large model take minutes each
 MAX_JOBS = 3  # the most small compiles one estimate makes (stacks of 1 and 2 layers; BART's two stacks: 3)
-DEFAULT_JOBS = max(1, min(MAX_JOBS, os.cpu_count() or 1))  # compiles at once: each holds one CPU
+# Host RAM that one small compile of a large model may hold: searches on a 23 GiB machine peaked at 15.2 GB with
+# 2 at once (XLNet-Large) and 23.7 GB with 3 (BART-large, which then swapped).
+COMPILE_HOST_BYTES = 8 * 2**30
+
+
+def default_jobs(cpus: int, memory_bytes: int) -> int:
+  """Compiles at once: one per CPU, no more than the RAM holds at COMPILE_HOST_BYTES each, at most MAX_JOBS."""
+  return max(1, min(MAX_JOBS, cpus, memory_bytes // COMPILE_HOST_BYTES))
+
+
+DEFAULT_JOBS = default_jobs(os.cpu_count() or 1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 ESTIMATING_SHARE = 0.6  # of --max_minutes: estimates stop there, leaving the rest to confirm the best of them
 _INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 

@@ -316,6 +316,16 @@ def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_r
   assert confirmed(search) == ([], [False] * 6) and search.stopped_early
 
 
+def test_compiles_at_once_default_to_what_both_the_cpus_and_the_ram_hold():
+  """A compile holds a CPU and up to COMPILE_HOST_BYTES of RAM: 3 at once swapped on a 2-CPU, 23 GiB machine."""
+  gib = 2**30
+  assert plan_search.default_jobs(cpus=2, memory_bytes=23 * gib) == 2
+  assert plan_search.default_jobs(cpus=16, memory_bytes=23 * gib) == 2  # the RAM bounds it
+  assert plan_search.default_jobs(cpus=16, memory_bytes=128 * gib) == plan_search.MAX_JOBS
+  assert plan_search.default_jobs(cpus=1, memory_bytes=128 * gib) == 1
+  assert plan_search.default_jobs(cpus=8, memory_bytes=4 * gib) == 1  # never none
+
+
 @pytest.mark.parametrize("flags, said", [
     (("--search", "--jobs=4"), "--jobs=4: expected a whole number from 1 to 3"),
     (("--jobs=2",), "--jobs only with --search")])

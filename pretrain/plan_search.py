@@ -23,10 +23,15 @@ The run's own layout (its MESH_SHAPE, MICROBATCHES and remat, unrolled) is estim
 have it: it is what the search must beat, the table marks it, and its measured memory prunes from the start,
 with that of its mesh at twice its microbatches (explore_model_split).
 How far estimates go: FLOPs, collectives and the state's HBM are linear in depth and extrapolate exactly. Peak
-temporaries are not additive: XLNet-Large and ALBERT-xxlarge came within 3%, BERT-Large on a v3-512 26% short
-(see explore_model_split). XLA's count of HBM bytes on TPU is not linear in depth at a few layers: it includes
-memory-space assignment's prefetches into VMEM, and how much a program prefetches per layer changes with its
-depth. So an HBM-bound estimate can be far off: BERT-Large on a v5litepod-256, data 64 × model 4, counts
+temporaries are additive at small sizes: 1 and 2 layers gave 12-layer BERT-base on a v3-8 exactly (data 8) and
+3% over (data 2 × fsdp 4, 2 microbatches), 12+12-layer BART-large there 3% over, and 4+4 layers on a v4-8 with
+splash attention 1% under. At the run files' sizes they are not, either way: XLNet-Large 3-13% over on a
+v3-512 and 51% over on a v3-1024, BART-large 61-75% over on a v4-128, ALBERT-xxlarge 40% under for data 256 ×
+fsdp 2 on a v3-512, BERT-Large 26% under there; the compiler presumably schedules a program near its memory
+budget differently. So the full-size compiles decide, and a layout that predicted memory rules out may fit
+after all (see explore_model_split). XLA's count of HBM bytes on TPU is not linear in depth at a few layers:
+it includes memory-space assignment's prefetches into VMEM, and how much a program prefetches per layer changes
+with its depth. So an HBM-bound estimate can be far off: BERT-Large on a v5litepod-256, data 64 × model 4, counts
 1.74e9 bytes with 1 layer, 1.68e9 with 2, 1.95e9 with 3, 2.24e9 with 4, and 9.72e9 with 24 (extrapolated from
 1 and 2 layers: 0.5e9); pure data parallel, 3.24e9, 4.54e9 and 6.68e9 with 1 to 3 layers, about 2.9e10 with
 24. The confirmed figures decide.

@@ -9,6 +9,7 @@ together (`StartUpStops`).
 """
 import os
 import socket
+import threading
 import time
 from typing import Optional, Tuple
 
@@ -62,7 +63,8 @@ class StartUpStops:
     return int(signum), int(process)
 
   def end_together(self, seconds: float) -> None:
-    """Returns once every process has come here too and the job is shut down, or after `seconds` without them."""
+    """Returns once every process has come here too and the job is shut down, or after `seconds` of waiting for
+    either. The caller ends the process next (os._exit): a shutdown still under way then is left behind."""
     import jax
 
     deadline = time.monotonic() + seconds
@@ -73,7 +75,9 @@ class StartUpStops:
                                             max(1, int(1000 * (deadline - time.monotonic()))))
     except Exception:  # one did not come (it may be gone already): end without waiting longer
       return
-    jax.distributed.shutdown()
+    leaving = threading.Thread(target=jax.distributed.shutdown, daemon=True, name="job-shutdown")
+    leaving.start()
+    leaving.join(seconds)  # moments, all being here; a hang (one killed meanwhile) is bounded
 
 
 def launched_as_cluster_tasks() -> bool:

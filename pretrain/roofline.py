@@ -140,6 +140,8 @@ def model_flops_per_step(setup) -> float:
   inputs need no gradient: XLNet's memory, relative positions and target mapping.) Attention is counted
   as XLA computes it: a fused kernel's products are not dot_generals of the program, but the same FLOPs."""
   import jax
+
+  from pretrain import steps
   unfused = {"attention_implementation": "xla"} if hasattr(setup.family.config, "attention_implementation") else {}
   config = dataclasses.replace(setup.family.config, remat_policy="none", scan_layers=False, **unfused)
   family = dataclasses.replace(setup.family, config=config)
@@ -150,7 +152,9 @@ def model_flops_per_step(setup) -> float:
     outputs, _ = family.forward(model, params, batch, carry, rngs={}, deterministic=True)
     return family.loss_and_metrics(outputs, batch)[0]
 
-  return matmul_flops(jax.make_jaxpr(jax.grad(loss))(state.params, setup.batch_shapes, state.carry).jaxpr)
+  with steps.MODEL_TRACING:
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(state.params, setup.batch_shapes, state.carry).jaxpr
+  return matmul_flops(jaxpr)
 
 
 def compile_step(setup):

@@ -25,8 +25,9 @@ from pretrain.families.base import Family, weight_totals
 
 # flax.linen makes module classes as it traces a model (its lifted scan and remat), and making one edits its base
 # classes' dataclass fields for a moment: two threads must not trace a model at once. A start traces the init
-# while the train step is traced in a thread beside it, and a layout search traces in several; the compiles,
-# which take the time, still overlap.
+# while the train step is traced in a thread beside it, and a layout search sets up and traces layouts in
+# several; the compiles, which take the time, still overlap. Held where a model is traced: initial_params,
+# lower_train_step, roofline.model_flops_per_step.
 MODEL_TRACING = threading.RLock()
 
 
@@ -103,7 +104,8 @@ def initial_params(family: Family, batch_shapes: Mapping[str, jax.ShapeDtypeStru
   except ValueError:
     scanned = family
   example = example_batch(family, batch_shapes)
-  params = scanned.make_model().init(rngs, example)["params"]
+  with MODEL_TRACING:
+    params = scanned.make_model().init(rngs, example)["params"]
   return params if scanned.config.scan_layers == config.scan_layers else _unrolled(params)
 
 
@@ -262,13 +264,6 @@ def lower_train_step(setup: Setup):
   with MODEL_TRACING, partitioning.tracing_context(setup.mesh, setup.rules):
     return jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes())
 
-
-def fresh_state(setup: Setup, seed: int) -> TrainState:
-  """A new state from `seed`, made on the devices in its shardings."""
-  rng = jax.random.PRNGKey(seed)
-  with MODEL_TRACING:
-    lowered = jax.jit(setup.init_state, out_shardings=setup.state_shardings).lower(rng)
-  return lowered.compile()(rng)
 
 
 def jit_eval_step(setup: Setup):

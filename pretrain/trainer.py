@@ -61,7 +61,7 @@ def restore_or_initialize(setup: steps.Setup, run_config: run_files.RunConfig, m
   saved = sorted(manager.all_steps(), reverse=True)
   if not saved:
     before_loading(0)
-    return steps.fresh_state(setup, seed), []
+    return jax.jit(setup.init_state, out_shardings=setup.state_shardings)(jax.random.PRNGKey(seed)), []
   where = checkpoints.checkpoint_dir(model_dir)
   if not checkpoints.has_data_iterator(model_dir, saved[0]):
     before_loading(0)

@@ -105,6 +105,39 @@ def gcs_bucket(tmp_path_factory):
     os.environ.update(saved)
 
 
+@pytest.fixture
+def model_traces_at_once(monkeypatch) -> list:
+  """The names of the flax module classes made while another thread made one too, during the test.
+
+  flax makes module classes as it traces a model (lifted scan and remat), and while it makes one, its base
+  classes lack some of their fields: a model traced in two threads at once fails, or goes on wrong. Here each
+  class made waits a moment for another thread to be making one, which two traces under way at once would do."""
+  import threading
+  import time
+
+  from flax.linen import kw_only_dataclasses
+  making, overlaps, lock = set(), [], threading.Lock()
+  real = kw_only_dataclasses._process_class
+
+  def watched(cls, *args, **kwargs):
+    with lock:
+      making.add(threading.get_ident())
+    deadline = time.monotonic() + 0.3
+    while len(making) < 2 and time.monotonic() < deadline:
+      time.sleep(0.005)
+    with lock:
+      if len(making) > 1:
+        overlaps.append(cls.__name__)
+    try:
+      return real(cls, *args, **kwargs)
+    finally:
+      with lock:
+        making.discard(threading.get_ident())
+
+  monkeypatch.setattr(kw_only_dataclasses, "_process_class", watched)
+  return overlaps
+
+
 def pytest_collection_modifyitems(config, items):
   """Modules marked `starts_first` (the longest: they train in several processes or many times) run first, so
   that under pytest-xdist (`make test`: two workers, each module whole on one) no worker is left with a long

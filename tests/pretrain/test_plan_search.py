@@ -258,6 +258,28 @@ def test_max_minutes_stops_the_search_and_reports_what_it_has():
   assert last == "pretrain.plan: no layout fits: --max_minutes ran out before any layout was found to fit: allow more"
 
 
+def test_an_estimates_compiles_at_once_trace_the_model_one_at_a_time(model_traces_at_once):
+  """Its 1- and 2-layer compiles run in two threads, each setting up its layout and tracing its step."""
+  import os
+
+  import gin
+
+  from pretrain import cli, compilation_cache, trainer
+  gin.clear_config()
+  env = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+         "TPU_ACCELERATOR_TYPE": "v3-8"}
+  with mock.patch.dict(os.environ, env), compilation_cache.used(compilation_cache.OFF, model_dir=""):
+    cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin"], ["bert.BertConfig.vocab_size = 2048",
+                                                            "bert.BertConfig.num_layers = 3", "BATCH_SIZE = 16"])
+    arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
+    search = plan_search.LayoutSearch(arguments, "v3:2x2", 1, lambda line: None, jobs=2)
+    mesh = (("replica", 1), ("data", 8), ("fsdp", 1), ("model", 1))
+    candidate = search.estimate(plan_search.Layout(mesh, 1, "none", False))
+  gin.clear_config()
+  assert search.compiles == 2 and candidate.fits
+  assert not model_traces_at_once, model_traces_at_once
+
+
 def test_a_mesh_that_does_not_divide_an_array_is_refused_with_the_arrays_shape_not_the_whole_mesh():
   """jax's refusal names the whole mesh, which would make each refused mesh a reason of its own in the table."""
   import os

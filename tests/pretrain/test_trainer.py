@@ -3,12 +3,9 @@ model caches exactly the tokens the data's windows continue. (Exact resume: XLNe
 in tests/pretrain/test_multihost.py; BERT's after a preemption, in tests/reliability.)"""
 import json
 import re
-import threading
-import time
 
 import numpy as np
 import pytest
-from flax.linen import kw_only_dataclasses
 
 from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, logged_losses, train
 from data_pipelines import vocab
@@ -37,32 +34,10 @@ def test_loss_falls_and_outputs_are_written(tmp_path, capsys):
   assert re.search(r"^\s+[\d.]+\s+[\d.]+%\s+\d+\s+(forward |backward) encoder/layer_\*/", summary, re.M), summary
 
 
-def test_a_start_traces_its_model_in_one_thread_at_a_time(tmp_path, monkeypatch):
-  """The init is traced while the train step is traced beside it. flax makes module classes as it traces (lifted
-  scan and remat), and while it makes one, its base classes lack some of their fields: a model traced in two
-  threads at once fails, or goes on wrong. Here each class made waits a moment for another thread to be making
-  one too, which two traces under way at once would do."""
-  making, overlaps, lock = set(), [], threading.Lock()
-  real = kw_only_dataclasses._process_class
-
-  def watched(cls, *args, **kwargs):
-    with lock:
-      making.add(threading.get_ident())
-    deadline = time.monotonic() + 0.3
-    while len(making) < 2 and time.monotonic() < deadline:
-      time.sleep(0.005)
-    with lock:
-      if len(making) > 1:
-        overlaps.append(cls.__name__)
-    try:
-      return real(cls, *args, **kwargs)
-    finally:
-      with lock:
-        making.discard(threading.get_ident())
-
-  monkeypatch.setattr(kw_only_dataclasses, "_process_class", watched)
+def test_a_start_traces_its_model_in_one_thread_at_a_time(tmp_path, model_traces_at_once):
+  """The init is traced while the train step is traced in a thread beside it: one after the other."""
   summary = train("bert_tiny_demo", tmp_path, 2, SMALL_BERT + ["LOG_EVERY_STEPS = 1"])
-  assert not overlaps, overlaps
+  assert not model_traces_at_once, model_traces_at_once
   assert summary["steps"] == 2 and np.isfinite(summary["last_loss"]), summary
 
 

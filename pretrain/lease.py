@@ -118,12 +118,12 @@ def held(model_dir: str, is_process_zero: bool):
   or None. Every process raises the ConfigError if process 0 could not take it."""
   lease, note, refused = Lease(model_dir), None, None
   with signals.on_exit(lease.release):  # from the start: a signal may end the process in the collective below
-    if is_process_zero:
-      try:
-        note = lease.acquire()
-      except ConfigError as e:
-        refused = str(e)
-    try:
+    try:  # a signal's stop raised in acquire, after the write, unwinds through the release too
+      if is_process_zero:
+        try:
+          note = lease.acquire()
+        except ConfigError as e:
+          refused = str(e)
       if distributed.any_process(refused is not None):
         raise ConfigError(refused or f"{model_dir} is in use by another run (process 0 says which)")
       yield note

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import ROOT, small_bert_flags
 from pretrain import cli, lease
+from pretrain.errors import Interrupted
 from pretrain import train as train_program
 
 
@@ -31,6 +32,21 @@ def test_a_second_run_on_a_held_model_dir_fails_with_one_line(tmp_path, capsys):
   finally:
     first.release()
   assert not first.path.exists()  # released: the next run starts
+
+
+def test_a_stop_raised_once_the_lease_is_taken_unwinds_through_its_release(tmp_path, monkeypatch):
+  """As when SIGTERM's stop is raised in the main thread as acquire() returns: the run's `held` block releases
+  the lease on the way out (test_multihost saw RUNNING left after a stop in the start-up)."""
+  taken = lease.Lease.acquire
+
+  def taken_then_stopped(self):
+    taken(self)
+    raise Interrupted("stopped by SIGTERM while starting", 143)
+  monkeypatch.setattr(lease.Lease, "acquire", taken_then_stopped)
+  with pytest.raises(Interrupted):
+    with lease.held(str(tmp_path), is_process_zero=True):
+      pass
+  assert not (tmp_path / lease.LEASE_FILE).exists()
 
 
 def test_a_signal_right_after_the_lease_is_written_releases_it(tmp_path, monkeypatch):

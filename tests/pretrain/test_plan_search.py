@@ -232,6 +232,10 @@ def test_the_best_layout_keeps_headroom_and_ties_of_compute_bound_layouts_go_to_
   assert plan_search._best([tight]) is tight  # a tight fit is still better than none
   confirmed_tight = candidate(1, 95, 1.0, 0.1, confirmed=True)
   assert plan_search._best([confirmed_tight, roomy]) is confirmed_tight  # a compile beats an estimate
+  # Overlapped bounds that differ below the table's 3 digits tie: the serial bound decides.
+  barely_faster = candidate(2, 60, 0.99951, 0.3)
+  less_traffic = candidate(2, 60, 1.0004, 0.1)
+  assert sorted([barely_faster, less_traffic], key=plan_search.Candidate.rank_key)[0] is less_traffic
 
 
 def test_the_best_line_compares_the_best_layout_with_the_runs_own():

@@ -265,7 +265,6 @@ def lower_train_step(setup: Setup):
     return jit_train_step(setup).lower(setup.sharded_abstract_state(), setup.sharded_batch_shapes())
 
 
-
 def jit_eval_step(setup: Setup):
   """(params, batch, carry) -> (metrics, carry); the first batch takes `initial_eval_carry(setup)`."""
   return jax.jit(functools.partial(eval_step, setup),

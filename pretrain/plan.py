@@ -198,18 +198,21 @@ def _print_whole_lines():
   return show
 
 
+def described_topology_environment(topology: str) -> dict:
+  """The environment in which libtpu compiles for a described topology and opens no TPU: it may then run beside
+  any other libtpu user (another plan, training on this host), which libtpu's lockfile would refuse. libtpu
+  wants to know its host at load time; these values silence its warnings and do not change the topology."""
+  return {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+          "TPU_ACCELERATOR_TYPE": accelerator_type(topology)}
+
+
 def main(argv) -> None:
-  # The plan compiles for a described topology and opens no TPU: it may run beside any other libtpu
-  # user (another plan, training on this host), which libtpu's lockfile would refuse. libtpu wants to
-  # know its host at load time; these values silence its warnings and do not change the topology.
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   files, bindings, rest = cli.split_gin_args(argv[1:])
   flags = _flags(rest)
   if not files:
     raise ConfigError("no --gin_file given, e.g. --gin_file=gin_configs/runs/xlnet_large_v3_512.gin")
-  os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type(flags["topology"]))
+  for name, value in described_topology_environment(flags["topology"]).items():
+    os.environ.setdefault(name, value)
   cli.parse_gin(files, bindings)
   from pretrain import compilation_cache, trainer
   arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 import shutil
 import tempfile
+import threading
+import time
 
 import pytest
 
@@ -112,9 +114,6 @@ def model_traces_at_once(monkeypatch) -> list:
   flax makes module classes as it traces a model (lifted scan and remat), and while it makes one, its base
   classes lack some of their fields: a model traced in two threads at once fails, or goes on wrong. Here each
   class made waits a moment for another thread to be making one, which two traces under way at once would do."""
-  import threading
-  import time
-
   from flax.linen import kw_only_dataclasses
   making, overlaps, lock = set(), [], threading.Lock()
   real = kw_only_dataclasses._process_class

@@ -2,7 +2,9 @@
 time, compiles what no fitting layout dominates, exits 2 with the change that would fit when nothing does,
 and writes a run file that trains. One search (two compiles) serves most tests; the search's pruning is
 also checked on made-up figures, without compiling."""
+import contextlib
 import dataclasses
+import os
 import re
 import types
 from unittest import mock
@@ -26,6 +28,24 @@ def table_rows(out: str) -> list:
   rows = re.findall(r"^\d+ \| ([^|]+) \| (yes|no): [\d.]+ of [\d.]+ GiB \(-?\d+%\) \| ([\d.e+-]+) s / [\d.e+-]+ s \| "
                     r"[\d.]+% \| \d+ s \| (.+)$", out, re.MULTILINE)
   return [(layout, fits == "yes", float(seconds), figures) for layout, fits, seconds, figures in rows]
+
+
+@contextlib.contextmanager
+def tiny_bert_search(bindings, jobs=1):
+  """A LayoutSearch on a v3-8 of the tiny demo BERT (vocabulary 2048, unless `bindings` say otherwise), in this
+  process, in the environment and with the compilation cache that pretrain.plan uses."""
+  import gin
+
+  from pretrain import cli, compilation_cache, plan, trainer
+  gin.clear_config()
+  try:
+    with (mock.patch.dict(os.environ, plan.described_topology_environment("v3:2x2")),
+          compilation_cache.used(compilation_cache.OFF, model_dir="")):
+      cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin"], ["bert.BertConfig.vocab_size = 2048", *bindings])
+      arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
+      yield plan_search.LayoutSearch(arguments, "v3:2x2", 1, lambda line: None, jobs=jobs)
+  finally:
+    gin.clear_config()
 
 
 @pytest.fixture(scope="module")
@@ -264,44 +284,19 @@ def test_max_minutes_stops_the_search_and_reports_what_it_has():
 
 def test_an_estimates_compiles_at_once_trace_the_model_one_at_a_time(model_traces_at_once):
   """Its 1- and 2-layer compiles run in two threads, each setting up its layout and tracing its step."""
-  import os
-
-  import gin
-
-  from pretrain import cli, compilation_cache, trainer
-  gin.clear_config()
-  env = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
-         "TPU_ACCELERATOR_TYPE": "v3-8"}
-  with mock.patch.dict(os.environ, env), compilation_cache.used(compilation_cache.OFF, model_dir=""):
-    cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin"], ["bert.BertConfig.vocab_size = 2048",
-                                                            "bert.BertConfig.num_layers = 3", "BATCH_SIZE = 16"])
-    arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
-    search = plan_search.LayoutSearch(arguments, "v3:2x2", 1, lambda line: None, jobs=2)
+  with tiny_bert_search(["bert.BertConfig.num_layers = 3", "BATCH_SIZE = 16"], jobs=2) as search:
     mesh = (("replica", 1), ("data", 8), ("fsdp", 1), ("model", 1))
     candidate = search.estimate(plan_search.Layout(mesh, 1, "none", False))
-  gin.clear_config()
   assert search.compiles == 2 and candidate.fits
   assert not model_traces_at_once, model_traces_at_once
 
 
 def test_a_mesh_that_does_not_divide_an_array_is_refused_with_the_arrays_shape_not_the_whole_mesh():
   """jax's refusal names the whole mesh, which would make each refused mesh a reason of its own in the table."""
-  import os
-
-  import gin
-
-  from pretrain import cli, trainer
-  gin.clear_config()
-  env = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
-         "TPU_ACCELERATOR_TYPE": "v3-8"}
-  with mock.patch.dict(os.environ, env):
-    cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin"], ["bert.BertConfig.vocab_size = 2047"])
-    arguments = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
-    search = plan_search.LayoutSearch(arguments, "v3:2x2", 1, print)
+  with tiny_bert_search(["bert.BertConfig.vocab_size = 2047"]) as search:
     mesh = (("replica", 1), ("data", 4), ("fsdp", 1), ("model", 2))
     with pytest.raises(ValueError) as refused:
       plan_search.state_bytes_per_device(search.setup(plan_search.Layout(mesh, 1, "none", False)))
-  gin.clear_config()
   reason = plan_search.invalid_reason(refused.value)
   assert re.fullmatch(r"an array of shape \(2047, \d+\) does not split as P\('model', .*\)", reason), reason
 

@@ -22,7 +22,7 @@ at most 8) at full size and prints a ranked table and the best layout as pretrai
 `--write=PATH` writes a run file of the run and that layout, with the table in its header.
 `--max_minutes` bounds the search: estimates stop at 60% of it and full-size compiles start until its end;
 it then reports what it has.
-The small compiles of an estimate (stacks of 1 and 2 layers) run `--jobs` at once, each on a CPU of its own
+The small compiles of an estimate (stacks of 2 and 3 layers) run `--jobs` at once, each on a CPU of its own
 (default: up to 3, as many as there are CPUs).
 
 Exit codes: 0 fits; 2 does not fit (the compiler's out-of-memory line on stderr; with --search, the
@@ -70,7 +70,7 @@ def report_lines(p: Plan) -> list:
   m = p.figures.memory
   notes = [f"× {p.microbatches} microbatches: XLA counts a loop body once"] if p.microbatches > 1 else []
   if p.scan_layers:
-    notes.append("scanned layers: extrapolated from unrolled compiles of 1 and 2 layers")
+    notes.append("scanned layers: extrapolated from unrolled compiles of 2 and 3 layers")
   loops = f" ({'; '.join(notes)})" if notes else ""
   times = p.step_seconds()
   bound = p.bound()  # collectives overlapped with compute and HBM traffic

@@ -283,8 +283,8 @@ def test_max_minutes_stops_the_search_and_reports_what_it_has():
 
 
 def test_an_estimates_compiles_at_once_trace_the_model_one_at_a_time(model_traces_at_once):
-  """Its 1- and 2-layer compiles run in two threads, each setting up its layout and tracing its step."""
-  with tiny_bert_search(["bert.BertConfig.num_layers = 3", "BATCH_SIZE = 16"], jobs=2) as search:
+  """Its 2- and 3-layer compiles run in two threads, each setting up its layout and tracing its step."""
+  with tiny_bert_search(["bert.BertConfig.num_layers = 4", "BATCH_SIZE = 16"], jobs=2) as search:
     mesh = (("replica", 1), ("data", 8), ("fsdp", 1), ("model", 1))
     candidate = search.estimate(plan_search.Layout(mesh, 1, "none", False))
   assert search.compiles == 2 and candidate.fits

@@ -252,12 +252,11 @@ def unrolled_figures(config, layer_count_fields, figures_of: Callable, mapper: C
   one with a layer more in every deeper stack, whose difference is taken as often as all of them have layers
   left. Stacks of unequal depths take another compile each for the layers that only they have left. Peak HBM
   is not additive across stacks: BART-large's 2+2 layers on a v4-128 gain 0.45 GiB of temporaries with 3+3,
-  while the gains of its 3+2 and 2+3 steps add up to 1.97 GiB (which extrapolated to 21.8 GiB at 12+12, against
-  6.50 GiB compiled). What a layer adds is taken as at least nothing,
-  figure by figure. FLOPs and collectives extrapolate well, HBM bytes on TPU less so (pretrain.plan_search's
-  docstring). A model of at most SHALLOWEST_DEPTH + 1 layers per stack is compiled as it is, which costs no
-  more. `mapper(figures_of, configs)` makes the small compiles (`map`: one after another; a thread pool's map:
-  at once).
+  while the gains of its 3+2 and 2+3 steps add up to 1.97 GiB (extrapolated to 12+12: 21.8 GiB, against 6.50
+  compiled). What a layer adds is taken as at least nothing, figure by figure. FLOPs and collectives
+  extrapolate well, HBM bytes on TPU less so (pretrain.plan_search's docstring). A model of at most
+  SHALLOWEST_DEPTH + 1 layers per stack is compiled as it is, which costs no more. `mapper(figures_of,
+  configs)` makes the small compiles (`map`: one after another; a thread pool's map: at once).
   """
   depths = {name: getattr(config, name) for name in layer_count_fields}
   unrolled = dataclasses.replace(config, scan_layers=False)

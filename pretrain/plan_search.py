@@ -28,18 +28,19 @@ temporaries were near-additive in depth for small models (12-layer BERT-base and
 steps misled (roofline.SHALLOWEST_DEPTH): estimates were 61-75% over for BART-large on a v4-128 and 51% over for
 XLNet-Large on a v3-1024. From 2- and 3-layer steps (libtpu 0.0.42.1, 2026-11-28), against full compiles:
 BART-large on a v4-128, data 16 × fsdp 8 and data 32 × fsdp 4 with 8 microbatches, +0.9% and +1.3% on memory, +2.7%
-and -1% on step time, but on a v5litepod-256, data 32 × fsdp 8 with 4 and 8 microbatches, +29% and -8% on memory,
-0% and -17% on step time; ALBERT-xxlarge on a v5litepod-256 with 2 microbatches, data 128 × model 2 +0.3% (from 1
-and 2 layers: -50%), data 256 +11% (+14%), and data 32 × fsdp 8 -18% (-18%), step times within 0.1%. That last
-one's temporaries grow 0.47 GiB per layer up to 6 layers, 0.81 from 6 to 8, and reach 9.48 GiB at 12 where the line
-gives 7.7: the compiler schedules a deep program differently. So the full-size compiles decide, and a layout that
-predicted memory rules out may fit after all (see explore_model_split). XLA's count of HBM bytes on TPU is not
-linear in depth at a few layers: it includes memory-space assignment's prefetches into VMEM, and how much a program
-prefetches per layer changes with its depth. So an HBM-bound estimate can be far off: BERT-Large on a
-v5litepod-256, data 64 × model 4, counts 1.74e9 bytes with 1 layer, 1.68e9 with 2, 1.95e9 with 3, 2.24e9 with 4,
-and 9.72e9 with 24 (extrapolated from 1 and 2 layers: 0.5e9; from 2 and 3: 7.6e9); pure data parallel, 3.24e9,
-4.54e9 and 6.68e9 with 1 to 3 layers, about 2.9e10 with 24 (from 1 and 2 layers: 3.3e10; from 2 and 3: 5.2e10). The
-confirmed figures decide.
+and -1% on step time, but on a v5litepod-256, data 32 × fsdp 8 with 4 and 8 microbatches and data 64 × fsdp 4 with
+2, +29%, -8% and +71% on memory (the last ruled out a layout that fits), 0%, -17% and -3% on step time; XLNet-Large
+on a v4-128, data 16 × fsdp 8 with 16 microbatches, +0.4% on memory and +7% on step time; ALBERT-xxlarge on a
+v5litepod-256 with 2 microbatches, data 128 × model 2 +0.3% (from 1 and 2 layers: -50%), data 256 +11% (+14%), and
+data 32 × fsdp 8 -18% (-18%), step times within 0.1%. That last one's temporaries grow 0.47 GiB per layer up to 6
+layers, 0.81 from 6 to 8, and reach 9.48 GiB at 12 where the line gives 7.7: the compiler schedules a deep program
+differently. So the full-size compiles decide, and a layout that predicted memory rules out may fit after all (see
+explore_model_split). XLA's count of HBM bytes on TPU is not linear in depth at a few layers: it includes
+memory-space assignment's prefetches into VMEM, and how much a program prefetches per layer changes with its depth.
+So an HBM-bound estimate can be far off: BERT-Large on a v5litepod-256, data 64 × model 4, counts 1.74e9 bytes with
+1 layer, 1.68e9 with 2, 1.95e9 with 3, 2.24e9 with 4, and 9.72e9 with 24 (extrapolated from 1 and 2 layers: 0.5e9;
+from 2 and 3: 7.6e9); pure data parallel, 3.24e9, 4.54e9 and 6.68e9 with 1 to 3 layers, about 2.9e10 with 24 (from
+1 and 2 layers: 3.3e10; from 2 and 3: 5.2e10). The confirmed figures decide.
 """
 import concurrent.futures
 import dataclasses

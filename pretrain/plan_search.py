@@ -117,10 +117,9 @@ class Candidate:
     Overlapped bounds tie where they agree to the 3 digits the table shows: ALBERT-xxlarge's compute-bound
     layouts on a v5litepod-256 differ below that, and took the first confirmations in the order of those
     differences, passing over a 3% better serial bound."""
-    if not self.plan.figures:
-      return (not self.fits, math.inf, math.inf, self.layout.scan_layers, not self.confirmed)
-    overlapped = float(f"{self.plan.overlapped_seconds():.3g}")
-    return (not self.fits, overlapped, self.plan.serial_seconds(), self.layout.scan_layers, not self.confirmed)
+    seconds = ((float(f"{self.plan.overlapped_seconds():.3g}"), self.plan.serial_seconds()) if self.plan.figures
+               else (math.inf,) * 2)
+    return (not self.fits, *seconds, self.layout.scan_layers, not self.confirmed)
 
 
 @dataclasses.dataclass

@@ -18,7 +18,8 @@ and layers unrolled or scanned. Cheapest pruning first:
 3. A scanned layout does its unrolled twin's work, so it takes the twin's estimate; its memory is known
    once it is compiled at full size.
 4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures; a
-   scanned layout whose unrolled twin fits with room is not among them (it saves memory, not time).
+   scanned layout whose unrolled twin fits with room is not among them (it saves memory, not time). Once a
+   confirmed layout needs less HBM than its estimate, a faster one estimated too big by no more is among them.
 The run's own layout (its MESH_SHAPE, MICROBATCHES and remat, unrolled) is estimated first where the slice can
 have it: it is what the search must beat, the table marks it, and its measured memory prunes from the start,
 with that of its mesh at twice its microbatches (explore_model_split).
@@ -110,6 +111,14 @@ class Candidate:
   def roomy(self) -> bool:
     """Fits with HEADROOM_WARNING of HBM free: what an estimate's few percent of error cannot tip over."""
     return self.fits and self.plan.headroom >= roofline.HEADROOM_WARNING
+
+  def may_fit(self, memory_scale: float) -> bool:
+    """Fits, or is an estimate that would fit with its HBM scaled (memory_calibration)."""
+    return self.fits or (not self.confirmed and self.plan.figures is not None
+                         and self.plan.figures.hbm_total * memory_scale <= self.plan.hbm_limit)
+
+  def speed_key(self) -> tuple:
+    return self.rank_key()[1:]
 
   def rank_key(self) -> tuple:
     """Fitting layouts first, fastest (collectives overlapped) first, then fastest if they do not overlap
@@ -352,16 +361,23 @@ class LayoutSearch:
     return result
 
   def confirm_fastest(self, ranked: List[Candidate], confirm: int) -> None:
-    """Puts the full-size figures of the `confirm` fastest fitting layouts in `ranked` (in place), counting those
-    whose small compile was the full step. A scanned layout whose unrolled twin was confirmed with
-    HEADROOM_WARNING free is passed over: scanning saves memory, not time, and the compile tells more on another
-    mesh, whose estimate may be far off (XLA's HBM bytes do not grow linearly with depth: module docstring)."""
-    confirmed = 0
-    for index, candidate in enumerate(ranked):
-      if confirmed == confirm:
+    """Puts the full-size figures of the `confirm` fastest layouts that may fit in `ranked` (in place), counting
+    those whose small compile was the full step. A layout may fit where its estimate does, or where its
+    estimate scaled by memory_calibration does: memory estimates have run far over (BART-large on a
+    v5litepod-256: 18.8 GiB estimated, 11.0 compiled, the fastest layout that fits), so once a confirmed layout
+    shows its estimate over, a faster layout estimated over by as much is compiled before slower ones that fit.
+    A scanned layout whose unrolled twin was confirmed with HEADROOM_WARNING free is passed over: scanning
+    saves memory, not time, and the compile tells more on another mesh, whose estimate may be far off (XLA's
+    HBM bytes do not grow linearly with depth: module docstring)."""
+    confirmed, considered = 0, set()
+    while confirmed < confirm:
+      scale = memory_calibration(ranked)
+      pending = [i for i, c in enumerate(ranked) if i not in considered and c.may_fit(scale)]
+      if not pending:
         return
-      if not candidate.fits:
-        continue
+      index = min(pending, key=lambda i: ranked[i].speed_key())
+      considered.add(index)
+      candidate = ranked[index]
       twin = next(c for c in ranked if c.layout == dataclasses.replace(candidate.layout, scan_layers=False))
       if candidate.layout.scan_layers and twin.confirmed and twin.roomy:
         continue
@@ -482,6 +498,15 @@ def predicted_hbm(state: float, microbatches: int, measured: List[tuple]) -> flo
                         for temporaries, measured_microbatches, measured_state in measured), default=0.0)
   activations, share = fit
   return state + activations / microbatches + share * state
+
+
+def memory_calibration(candidates: List[Candidate]) -> float:
+  """The least ratio of a confirmed unrolled layout's HBM to its estimate's, or 1 where none was over: how far
+  over the estimates of this model on this slice have been seen to run. Scanned layouts are left out: their
+  estimate is their unrolled twin's memory."""
+  return min([1.0, *(c.plan.figures.hbm_total / c.estimate.figures.hbm_total for c in candidates
+                     if c.confirmed and not c.layout.scan_layers and c.plan.figures is not None
+                     and c.estimate is not None and c.estimate.figures is not None)])
 
 
 def _activations_and_state_share(points: List[tuple]) -> Optional[tuple]:

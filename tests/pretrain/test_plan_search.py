@@ -135,8 +135,8 @@ class MadeUpSearch(plan_search.LayoutSearch):
 
 def made_up_plan(hbm: float, limit: float, times: dict):
   """A stand-in for a compiled roofline.Plan: its HBM, headroom and step times, with the Plan's own arithmetic."""
-  plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), headroom=1 - hbm / limit,
-                               step_seconds=lambda: times)
+  plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), hbm_limit=limit,
+                               headroom=1 - hbm / limit, step_seconds=lambda: times)
   for method in ("bound", "overlapped_seconds", "serial_seconds"):
     setattr(plan, method, getattr(roofline.Plan, method).__get__(plan))
   return plan
@@ -335,6 +335,43 @@ def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_r
   search = Confirming()
   search.confirming_ends = 0.0
   assert confirmed(search) == ([], [False] * 6) and search.stopped_early
+
+
+def test_once_a_confirmed_layout_needs_less_than_its_estimate_a_faster_one_estimated_over_by_as_much_is_confirmed():
+  """As BART-large on a v5litepod-256: its fastest layout was estimated at 18.8 GiB of 15.75 and compiled at
+  11.0; the fitting layout confirmed first had been estimated 29% over."""
+  def estimate(fsdp, microbatches, hbm, seconds):
+    layout = plan_search.Layout(MESHES[[1, 2, 4].index(fsdp)], microbatches, "none", False)
+    return plan_search.Candidate(layout, made_up_plan(hbm, 100, {"compute": seconds, "HBM": 0.0,
+                                                                   "communication": 0.0}))
+
+  class Confirming(MadeUpSearch):
+    def __init__(self, full_size_share):
+      super().__init__()
+      self.full_size_share = full_size_share  # of each estimate's HBM
+
+    def confirm(self, candidate, twin):
+      self.estimated.append(candidate.layout)
+      plan = made_up_plan(candidate.plan.figures.hbm_total * self.full_size_share[candidate.layout.microbatches],
+                          100, candidate.plan.step_seconds())
+      return plan_search.Candidate(candidate.layout, plan, confirmed=True, estimate=candidate.plan)
+
+  def confirmed(full_size_share):
+    fitting, slower = estimate(4, 2, 90, 1.2), estimate(4, 4, 60, 1.4)
+    over, far_over = estimate(2, 1, 130, 1.0), estimate(1, 1, 200, 0.9)
+    ranked = sorted([slower, far_over, fitting, over], key=plan_search.Candidate.rank_key)
+    search = Confirming(full_size_share)
+    search.confirm_fastest(ranked, 2)
+    best = plan_search._best(sorted(ranked, key=plan_search.Candidate.rank_key))  # as LayoutSearch.run ranks them
+    return [(layout.mesh_shape["fsdp"], layout.microbatches) for layout in search.estimated], best.layout.microbatches
+
+  # The fitting layout compiles at 70% of its estimate: 130 × 0.7 = 91 may fit, 200 × 0.7 = 140 cannot.
+  assert confirmed({1: 0.6, 2: 0.7, 4: 1.0}) == ([(4, 2), (2, 1)], 1)
+  # It compiles over its estimate (94.5, too tight to be the best): nothing estimated too big is compiled; the
+  # next fitting one is.
+  assert confirmed({1: 0.6, 2: 1.05, 4: 1.0}) == ([(4, 2), (4, 4)], 4)
+  # The one estimated over compiles too big after all: the fitting one stays the best.
+  assert confirmed({1: 0.9, 2: 0.7, 4: 1.0}) == ([(4, 2), (2, 1)], 2)
 
 
 def test_compiles_at_once_default_to_what_both_the_cpus_and_the_ram_hold():

@@ -48,6 +48,7 @@ import dataclasses
 import math
 import os
 import re
+import textwrap
 import threading
 import time
 from typing import Callable, Dict, List, Optional
@@ -233,10 +234,11 @@ class LayoutSearch:
         self.compiles += 1
         number = self.compiles
       self.show(f"[{number}] {layout.label()}: {what} ...")
+      start = time.time()
       try:
         measured = roofline.measure(setup)
       except roofline.DoesNotFit:
-        measured = (None, 0.0)
+        measured = (None, time.time() - start)
       self.compiled[key] = measured
       self.show(f"[{number}] {layout.label()}: {what} {measured[1]:.0f} s")
     return self.compiled[key]
@@ -555,7 +557,7 @@ def invalid_reason(error: Exception) -> str:
   indivisible = _INDIVISIBLE.search(text)
   if indivisible:
     return f"an array of shape {indivisible.group(2)} does not split as P({indivisible.group(1)})"
-  return text.splitlines()[0][:100]
+  return textwrap.shorten(text.splitlines()[0], 160, placeholder=" ...")  # whole words, the table's line short
 
 
 def _mesh_label(mesh: tuple) -> str:
@@ -577,14 +579,14 @@ def table_lines(result: SearchResult) -> List[str]:
   lines = ["rank | layout | fits: HBM per core (headroom) | step >= overlapped / not | MFU <= | compile | figures"]
   for rank, c in enumerate(result.candidates, 1):
     p = c.plan
-    if p.figures is None:
-      lines.append(f"{rank} | {c.layout.label()} | no: the compiler refused it | - | - | {p.compile_seconds:.0f} s | "
-                   f"{'confirmed' if c.confirmed else 'estimate'}")
-      continue
     source = "confirmed" if c.confirmed else ("estimate (memory as unrolled)" if c.layout.scan_layers else "estimate")
     if c.estimate is not None and c.estimate.figures is not None:
       source += (f" (estimate {c.estimate.figures.hbm_total / roofline.GIB:.2f} GiB, "
                  f"{c.estimate.overlapped_seconds():.3g} s)")
+    if p.figures is None:
+      lines.append(f"{rank} | {c.layout.label()} | no: the compiler refused it | - | - | {p.compile_seconds:.0f} s | "
+                   f"{source}")
+      continue
     if c.layout == result.run_layout:
       source += "; the run's own layout"
     lines.append(f"{rank} | {c.layout.label()} | {'yes' if c.fits else 'no'}: {p.figures.hbm_total / roofline.GIB:.2f} "

@@ -299,6 +299,10 @@ def test_a_mesh_that_does_not_divide_an_array_is_refused_with_the_arrays_shape_n
       plan_search.state_bytes_per_device(search.setup(plan_search.Layout(mesh, 1, "none", False)))
   reason = plan_search.invalid_reason(refused.value)
   assert re.fullmatch(r"an array of shape \(2047, \d+\) does not split as P\('model', .*\)", reason), reason
+  # Other refusals keep their first line, shortened at a word where it is long.
+  long_refusal = ValueError("bi_data pairs forward and backward rows, but " + "the batch gives 1 row " * 20 + "\nmore")
+  reason = plan_search.invalid_reason(long_refusal)
+  assert reason.endswith(" row ...") and len(reason) <= 160 and "more" not in reason, reason
 
 
 def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_room_and_has_time_of_its_own():
@@ -372,6 +376,17 @@ def test_once_a_confirmed_layout_needs_less_than_its_estimate_a_faster_one_estim
   assert confirmed({1: 0.6, 2: 1.05, 4: 1.0}) == ([(4, 2), (4, 4)], 4)
   # The one estimated over compiles too big after all: the fitting one stays the best.
   assert confirmed({1: 0.9, 2: 0.7, 4: 1.0}) == ([(4, 2), (2, 1)], 2)
+
+
+def test_a_confirmed_layout_the_compiler_refused_keeps_its_estimate_and_compile_time_in_the_table():
+  layout = plan_search.Layout(MESHES[0], 1, "dots", False)
+  estimate = made_up_plan(9.5 * roofline.GIB, 15.75 * roofline.GIB, {"compute": 1.45, "HBM": 0.0, "communication": 0.0})
+  refused = plan_search.Candidate(layout, types.SimpleNamespace(figures=None, compile_seconds=512.0), confirmed=True,
+                                  estimate=estimate)
+  result = plan_search.SearchResult([refused], None, 1, {}, 3, 600.0, False, "bert.BertConfig")
+  row = plan_search.table_lines(result)[1]
+  assert row == (f"1 | {layout.label()} | no: the compiler refused it | - | - | 512 s | "
+                 "confirmed (estimate 9.50 GiB, 1.45 s)")
 
 
 def test_compiles_at_once_default_to_what_both_the_cpus_and_the_ram_hold():

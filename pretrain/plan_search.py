@@ -31,7 +31,9 @@ XLNet-Large on a v3-1024. From 2- and 3-layer steps (libtpu 0.0.42.1, 2026-11-28
 BART-large on a v4-128, data 16 × fsdp 8 and data 32 × fsdp 4 with 8 microbatches, +0.9% and +1.3% on memory, +2.7%
 and -1% on step time, but on a v5litepod-256, data 32 × fsdp 8 with 4 and 8 microbatches and data 64 × fsdp 4 with
 2, +29%, -8% and +71% on memory (the last ruled out a layout that fits), 0%, -17% and -3% on step time; XLNet-Large
-on a v4-128, data 16 × fsdp 8 with 16 microbatches, +0.4% on memory and +7% on step time; ALBERT-xxlarge on a
+on a v4-128, data 16 × fsdp 8 with 16 and 8 microbatches, +0.4% and +32% on memory, +7% and +2% on step time, and
+data 32 × fsdp 4 with 16, +42% and +14%; on a v5litepod-256 with 8 microbatches, data 128 × fsdp 2 +1.5% and +15%,
+data 64 × fsdp 4 -35% and +5% (and a layout estimated to fit that the compiler refused); ALBERT-xxlarge on a
 v5litepod-256 with 2 microbatches, data 128 × model 2 +0.3% (from 1 and 2 layers: -50%), data 256 +11% (+14%), and
 data 32 × fsdp 8 -18% (-18%), step times within 0.1%. That last one's temporaries grow 0.47 GiB per layer up to 6
 layers, 0.81 from 6 to 8, and reach 9.48 GiB at 12 where the line gives 7.7: the compiler schedules a deep program

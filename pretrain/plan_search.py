@@ -121,17 +121,18 @@ class Candidate:
                          and self.plan.figures.hbm_total * memory_scale <= self.plan.hbm_limit)
 
   def speed_key(self) -> tuple:
-    return self.rank_key()[1:]
-
-  def rank_key(self) -> tuple:
-    """Fitting layouts first, fastest (collectives overlapped) first, then fastest if they do not overlap
-    (which separates compute-bound layouts that the overlapped bound ties); unrolled before its scanned twin.
-    Overlapped bounds tie where they agree to the 3 digits the table shows: ALBERT-xxlarge's compute-bound
-    layouts on a v5litepod-256 differ below that, and took the first confirmations in the order of those
-    differences, passing over a 3% better serial bound."""
+    """Fastest (collectives overlapped) first, then fastest if they do not overlap (which separates
+    compute-bound layouts that the overlapped bound ties); unrolled before its scanned twin. Overlapped bounds
+    tie where they agree to the 3 digits the table shows: ALBERT-xxlarge's compute-bound layouts on a
+    v5litepod-256 differ below that, and took the first confirmations in the order of those differences,
+    passing over a 3% better serial bound."""
     seconds = ((float(f"{self.plan.overlapped_seconds():.3g}"), self.plan.serial_seconds()) if self.plan.figures
                else (math.inf,) * 2)
-    return (not self.fits, *seconds, self.layout.scan_layers, not self.confirmed)
+    return (*seconds, self.layout.scan_layers, not self.confirmed)
+
+  def rank_key(self) -> tuple:
+    """Fitting layouts first, each part by speed_key."""
+    return (not self.fits, *self.speed_key())
 
 
 @dataclasses.dataclass
@@ -236,13 +237,13 @@ class LayoutSearch:
         self.compiles += 1
         number = self.compiles
       self.show(f"[{number}] {layout.label()}: {what} ...")
-      start = time.time()
+      start = time.time()  # a refused compile's time counts too
       try:
-        measured = roofline.measure(setup)
+        figures = roofline.measure(setup)[0]
       except roofline.DoesNotFit:
-        measured = (None, time.time() - start)
-      self.compiled[key] = measured
-      self.show(f"[{number}] {layout.label()}: {what} {measured[1]:.0f} s")
+        figures = None
+      self.compiled[key] = (figures, time.time() - start)
+      self.show(f"[{number}] {layout.label()}: {what} {self.compiled[key][1]:.0f} s")
     return self.compiled[key]
 
   def map(self, function: Callable, items: list) -> list:

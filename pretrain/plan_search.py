@@ -586,12 +586,12 @@ def table_lines(result: SearchResult) -> List[str]:
     if c.estimate is not None and c.estimate.figures is not None:
       source += (f" (estimate {c.estimate.figures.hbm_total / roofline.GIB:.2f} GiB, "
                  f"{c.estimate.overlapped_seconds():.3g} s)")
+    if c.layout == result.run_layout:
+      source += "; the run's own layout"
     if p.figures is None:
       lines.append(f"{rank} | {c.layout.label()} | no: the compiler refused it | - | - | {p.compile_seconds:.0f} s | "
                    f"{source}")
       continue
-    if c.layout == result.run_layout:
-      source += "; the run's own layout"
     lines.append(f"{rank} | {c.layout.label()} | {'yes' if c.fits else 'no'}: {p.figures.hbm_total / roofline.GIB:.2f} "
                  f"of {p.hbm_limit / roofline.GIB:.2f} GiB ({p.headroom:.0%}) | {p.overlapped_seconds():.3g} s / "
                  f"{p.serial_seconds():.3g} s | {p.mfu(p.overlapped_seconds()):.1%} | {p.compile_seconds:.0f} s | "

@@ -378,15 +378,16 @@ def test_once_a_confirmed_layout_needs_less_than_its_estimate_a_faster_one_estim
   assert confirmed({1: 0.9, 2: 0.7, 4: 1.0}) == ([(4, 2), (2, 1)], 2)
 
 
-def test_a_confirmed_layout_the_compiler_refused_keeps_its_estimate_and_compile_time_in_the_table():
+def test_a_confirmed_layout_the_compiler_refused_keeps_its_estimate_compile_time_and_mark_in_the_table():
   layout = plan_search.Layout(MESHES[0], 1, "dots", False)
   estimate = made_up_plan(9.5 * roofline.GIB, 15.75 * roofline.GIB, {"compute": 1.45, "HBM": 0.0, "communication": 0.0})
   refused = plan_search.Candidate(layout, types.SimpleNamespace(figures=None, compile_seconds=512.0), confirmed=True,
                                   estimate=estimate)
-  result = plan_search.SearchResult([refused], None, 1, {}, 3, 600.0, False, "bert.BertConfig")
-  row = plan_search.table_lines(result)[1]
-  assert row == (f"1 | {layout.label()} | no: the compiler refused it | - | - | 512 s | "
-                 "confirmed (estimate 9.50 GiB, 1.45 s)")
+  for run_layout, mark in ((None, ""), (layout, "; the run's own layout")):
+    result = plan_search.SearchResult([refused], None, 1, {}, 3, 600.0, False, "bert.BertConfig", run_layout)
+    row = plan_search.table_lines(result)[1]
+    assert row == (f"1 | {layout.label()} | no: the compiler refused it | - | - | 512 s | "
+                   f"confirmed (estimate 9.50 GiB, 1.45 s){mark}")
 
 
 def test_compiles_at_once_default_to_what_both_the_cpus_and_the_ram_hold():

@@ -4,6 +4,7 @@
       [--topology=v3:16x16] [--num_slices=N]
   python -m pretrain.plan --gin_file=RUN --topology=v4:4x4x4 --search [--confirm=3] [--max_minutes=M] \\
       [--write=PATH] [--jobs=N]
+  either with [--hbm_limit_gib=X]
 
 Needs libtpu (`pip install -e ".[tpu]"`), not a TPU. It parses the same gin files as pretrain.train,
 takes train()'s bound arguments, builds the same Setup (steps.make_setup: model, optimizer,
@@ -25,6 +26,11 @@ it then reports what it has.
 The small compiles of an estimate (stacks of 2 and 3 layers) run `--jobs` at once, each on a CPU of its own
 (default: up to 3, as many as there are CPUs).
 
+The compiler's HBM use adapts to the HBM it has (roofline.HBM_CAP_OPTION): with room to spare it holds more
+(earlier collectives, prefetches), so a step's HBM at the chip's limit overstates what it needs. `--hbm_limit_gib`
+compiles as if each device had that much: a layout that fits in 90% of the chip's HBM keeps 10% free whatever
+a new libtpu or a few more activations take.
+
 Exit codes: 0 fits; 2 does not fit (the compiler's out-of-memory line on stderr; with --search, the
 smallest change that would fit); 1 bad configuration.
 A large model takes minutes and up to 13 GB of host RAM to compile (XLNet-Large on v3:16x16):
@@ -35,6 +41,7 @@ import os
 import sys
 import threading
 import time
+from typing import Optional
 
 from pretrain import cli, plan_search, roofline
 from pretrain.errors import ConfigError
@@ -50,15 +57,17 @@ HELP = cli.gin_help(__doc__, flags=f"""\
 at most {plan_search.MAX_CONFIRM})
   --max_minutes=M             with --search: estimate for 60% of M minutes, confirm until M, report what it has
   --write=PATH                with --search: write a run file of the run with the best layout
+  --hbm_limit_gib=X           compile as if each device had X GiB of HBM (at most the chip's): does it fit with room?
   --jobs=N                    with --search: small compiles at once, a CPU each (default {plan_search.DEFAULT_JOBS} \
 here: one per CPU and {plan_search.COMPILE_HOST_BYTES // 2**30} GiB of RAM, at most {plan_search.MAX_JOBS})""")
 
 
 def setup_lines(p: Plan) -> list:
+  capped = "" if p.hbm_cap is None else f" (--hbm_limit_gib; the chip's {p.chip_hbm / GIB:.2f})"
   return [
       f"topology: {p.topology} ({accelerator_type(p.topology)}) x {p.num_slices} slice(s) = {p.devices} devices "
       f"({p.device_kind}); per device "
-      f"{p.hbm_limit / GIB:.2f} GiB HBM usable, {p.peak_flops / 1e12:.1f} TFLOP/s bf16 peak, "
+      f"{p.hbm_limit / GIB:.2f} GiB HBM usable{capped}, {p.peak_flops / 1e12:.1f} TFLOP/s bf16 peak, "
       f"{p.hbm_bandwidth / 1e9:.0f} GB/s HBM, {p.ici_bandwidth / 1e9:.0f} GB/s ICI",
       f"run: {p.family}, {p.parameters / 1e6:.1f}M parameters, global batch {p.batch_size} "
       f"({p.tokens_per_step} tokens), mesh {p.mesh}, microbatches {p.microbatches}, remat {p.remat}, "
@@ -93,7 +102,7 @@ def report_lines(p: Plan) -> list:
       f"estimate if collectives do not overlap (step >= max(compute, HBM) + communication): "
       f"step >= {serial:.3g} s, MFU <= {p.mfu(serial):.1%}",
   ]
-  if p.headroom < HEADROOM_WARNING:
+  if not p.roomy:
     lines.append(f"warning: less than {HEADROOM_WARNING:.0%} of HBM left; prefer more remat, microbatches or fsdp")
   return lines
 
@@ -124,19 +133,20 @@ def collectives_line(p: Plan, seconds: float) -> str:
           f"latency ignored)")
 
 
-def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
-  """Builds and compiles the run's step for the topology; `show` gets the setup lines before compiling."""
+def plan(arguments: dict, topology: str, num_slices: int, show=print, hbm_cap: Optional[float] = None) -> Plan:
+  """Builds and compiles the run's step for the topology, under `hbm_cap` bytes per device where given;
+  `show` gets the setup lines before compiling."""
   from pretrain import partitioning, trainer
   mesh = partitioning.make_mesh(arguments["mesh_shape"], devices=roofline.slice_devices(topology, num_slices),
                                 num_slices=num_slices)
   family = trainer.fitted_family(arguments["family"], arguments["mixture_or_task_name"],
                                  arguments["task_feature_lengths"])
   setup = roofline.run_setup(arguments, family, mesh)
-  p = roofline.describe(setup, arguments, topology, num_slices)
+  p = roofline.describe(setup, arguments, topology, num_slices, hbm_cap)
   for line in setup_lines(p):
     show(line)
   p.model_flops = model_flops_per_step(setup)
-  figures, p.compile_seconds = roofline.measure(setup)
+  figures, p.compile_seconds = roofline.measure(setup, hbm_cap)
   if figures.hbm_total > p.hbm_limit:  # the compiler does not always refuse (seen with scanned layers)
     raise DoesNotFit(f"the compiled step needs {figures.hbm_total / GIB:.2f} GiB per device (temporaries "
                      f"{figures.memory['temporaries'] / GIB:.2f} GiB), more than the {p.hbm_limit / GIB:.2f} GiB "
@@ -145,7 +155,7 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
     unrolled = roofline.unrolled_figures(
         setup.family.config, setup.family.layer_count_fields,
         lambda config: roofline.measure(roofline.run_setup(
-            arguments, dataclasses.replace(setup.family, config=config), mesh, setup.microbatches))[0])
+            arguments, dataclasses.replace(setup.family, config=config), mesh, setup.microbatches), hbm_cap)[0])
     figures = dataclasses.replace(figures, flops=unrolled.flops, bytes_accessed=unrolled.bytes_accessed,
                                   kernels=unrolled.kernels)
   p.figures = figures
@@ -154,14 +164,15 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print) -> Plan:
 
 def _flags(rest: list) -> dict:
   flags = {"topology": DEFAULT_TOPOLOGY, "num_slices": None, "search": False, "confirm": None, "max_minutes": None,
-           "write": None, "jobs": None}
+           "write": None, "jobs": None, "hbm_limit_gib": None}
   for arg in rest:
     name, has_value, value = arg.partition("=")
     key = name.removeprefix("--")
     takes_value = key != "search"
     if not name.startswith("--") or key not in flags or takes_value != bool(has_value) or (has_value and not value):
       raise ConfigError(f"unknown argument {arg!r}; expected --gin_file=F, --gin.KEY=VALUE, --topology=vN:AxB, "
-                        f"--num_slices=N, --search, --confirm=N, --max_minutes=M, --write=PATH, --jobs=N")
+                        f"--num_slices=N, --search, --confirm=N, --max_minutes=M, --write=PATH, --jobs=N, "
+                        f"--hbm_limit_gib=X")
     flags[key] = value or True
   searching = [f"--{key}" for key in ("confirm", "max_minutes", "write", "jobs") if flags[key] is not None]
   if searching and not flags["search"]:
@@ -170,6 +181,8 @@ def _flags(rest: list) -> dict:
   flags["confirm"] = _number(flags, "confirm", int, 1, plan_search.MAX_CONFIRM) or plan_search.DEFAULT_CONFIRM
   flags["max_minutes"] = _number(flags, "max_minutes", float, 0)
   flags["jobs"] = _number(flags, "jobs", int, 1, plan_search.MAX_JOBS) or plan_search.DEFAULT_JOBS
+  limit = _number(flags, "hbm_limit_gib", float, 0)
+  flags["hbm_cap"] = None if limit is None else limit * GIB
   return flags
 
 
@@ -225,7 +238,7 @@ def main(argv) -> None:
       search_main(arguments, flags, num_slices, files, bindings, show)
       return
     try:
-      result = plan(arguments, flags["topology"], num_slices, show=show)
+      result = plan(arguments, flags["topology"], num_slices, show=show, hbm_cap=flags["hbm_cap"])
     except DoesNotFit as e:
       print(f"pretrain.plan: does not fit: {e}", file=sys.stderr)
       sys.exit(2)
@@ -238,7 +251,7 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
   topology = flags["topology"]
   show(f"searching layouts of {', '.join(files)} on {topology} ({accelerator_type(topology)}) x {num_slices} slice(s)")
   result = plan_search.search(arguments, topology, num_slices, flags["confirm"], flags["max_minutes"], show,
-                              flags["jobs"])
+                              flags["jobs"], flags["hbm_cap"])
   for line in plan_search.table_lines(result):
     print(line)
   if result.best is None:
@@ -248,7 +261,8 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
   print(f"best: {result.best.layout.label()}{unconfirmed}{plan_search.against_run_layout(result)}; train with:")
   print(f"  {plan_search.gin_flags(result, arguments)}")
   if flags["write"]:
-    header = (f"Layout chosen by `python -m pretrain.plan --search --topology={topology}` on "
+    capped = "" if flags["hbm_limit_gib"] is None else f" --hbm_limit_gib={flags['hbm_limit_gib']}"
+    header = (f"Layout chosen by `python -m pretrain.plan --search --topology={topology}{capped}` on "
               f"{time.strftime('%Y-%m-%d')} ({accelerator_type(topology)} x {num_slices} slice(s)):")
     with open(flags["write"], "w") as f:
       f.write(plan_search.run_file(result, arguments, files, bindings, header))

@@ -44,6 +44,12 @@ So an HBM-bound estimate can be far off: BERT-Large on a v5litepod-256, data 64 
 1 layer, 1.68e9 with 2, 1.95e9 with 3, 2.24e9 with 4, and 9.72e9 with 24 (extrapolated from 1 and 2 layers: 0.5e9;
 from 2 and 3: 7.6e9); pure data parallel, 3.24e9, 4.54e9 and 6.68e9 with 1 to 3 layers, about 2.9e10 with 24 (from
 1 and 2 layers: 3.3e10; from 2 and 3: 5.2e10). The confirmed figures decide.
+Nor is a full compile's HBM one figure: the compiler fills HBM it has to spare (roofline.HBM_CAP_OPTION). Those
+three ALBERT-xxlarge layouts, estimated at 7.99 (data 32 × fsdp 8), 9.21 (data 128 × model 2) and 11.44 GiB (data
+256), take 9.79, 9.10 and 10.27 GiB of 15.75, and compile under caps of 7.19, 8.29 and 9.0 GiB (libtpu 0.0.42.1,
+2026-11-28; it held the temporaries within the cap, 7.43, 8.42 and 9.60 GiB with the arguments; data 256 then
+recomputed, 4% more compute). So an estimate runs high against the least a layout needs where it runs low against
+what the layout takes when it can; `--hbm_limit_gib` compiles under a cap.
 """
 import concurrent.futures
 import dataclasses
@@ -112,8 +118,9 @@ class Candidate:
 
   @property
   def roomy(self) -> bool:
-    """Fits with HEADROOM_WARNING of HBM free: what an estimate's few percent of error cannot tip over."""
-    return self.fits and self.plan.headroom >= roofline.HEADROOM_WARNING
+    """Fits with HEADROOM_WARNING of the chip's HBM free (roofline.Plan.roomy): what an estimate's few percent
+    of error cannot tip over."""
+    return self.fits and self.plan.roomy
 
   def may_fit(self, memory_scale: float) -> bool:
     """Fits, or is an estimate that would fit with its HBM scaled (memory_calibration)."""
@@ -181,7 +188,7 @@ class LayoutSearch:
   """One search: the run, the slice, and every compile it has made (a step compiled once serves every use)."""
 
   def __init__(self, arguments: dict, topology: str, num_slices: int, show: Callable,
-               max_minutes: Optional[float] = None, jobs: int = 1):
+               max_minutes: Optional[float] = None, jobs: int = 1, hbm_cap: Optional[float] = None):
     from pretrain import trainer
     self.arguments, self.topology, self.num_slices, self.show = arguments, topology, num_slices, show
     budget, now = (60 * max_minutes if max_minutes else math.inf), time.time()
@@ -194,6 +201,7 @@ class LayoutSearch:
     self.compiled: Dict[tuple, tuple] = {}  # (layout mesh, microbatches, model config) -> (figures or None, s)
     self.compiles = 0
     self.jobs = jobs  # compiles at once
+    self.hbm_cap = hbm_cap  # bytes per device each step is compiled to fit in; None: the chip's
     self._counting = threading.Lock()  # compiles are numbered as they start, in whichever thread
     self.model_flops = None
     self.usable_hbm = None
@@ -224,7 +232,7 @@ class LayoutSearch:
     setup = self.setup(layout)
     if self.model_flops is None:  # the same for every layout: the global batch's matmuls
       self.model_flops = roofline.model_flops_per_step(setup)
-    described = roofline.describe(setup, self.arguments, self.topology, self.num_slices)
+    described = roofline.describe(setup, self.arguments, self.topology, self.num_slices, self.hbm_cap)
     return dataclasses.replace(described, figures=figures, compile_seconds=compile_seconds,
                                model_flops=self.model_flops)
 
@@ -239,7 +247,7 @@ class LayoutSearch:
       self.show(f"[{number}] {layout.label()}: {what} ...")
       start = time.time()  # a refused compile's time counts too
       try:
-        figures = roofline.measure(setup)[0]
+        figures = roofline.measure(setup, self.hbm_cap)[0]
       except roofline.DoesNotFit:
         figures = None
       self.compiled[key] = (figures, time.time() - start)
@@ -572,9 +580,11 @@ def _power_of_two(at_least: float) -> int:
 
 
 def search(arguments: dict, topology: str, num_slices: int, confirm: int = DEFAULT_CONFIRM,
-           max_minutes: Optional[float] = None, show: Callable = print, jobs: int = DEFAULT_JOBS) -> SearchResult:
-  """Searches the run's layouts on the topology, `jobs` small compiles at once; `show` gets a line per compile."""
-  return LayoutSearch(arguments, topology, num_slices, show, max_minutes, jobs).run(confirm)
+           max_minutes: Optional[float] = None, show: Callable = print, jobs: int = DEFAULT_JOBS,
+           hbm_cap: Optional[float] = None) -> SearchResult:
+  """Searches the run's layouts on the topology, `jobs` small compiles at once, each compiled to fit in `hbm_cap`
+  bytes per device where given (roofline.compile_step); `show` gets a line per compile."""
+  return LayoutSearch(arguments, topology, num_slices, show, max_minutes, jobs, hbm_cap).run(confirm)
 
 
 def table_lines(result: SearchResult) -> List[str]:

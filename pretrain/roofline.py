@@ -18,6 +18,13 @@ from pretrain.kernel_costs import KernelCosts, kernel_costs
 
 GIB = 2 ** 30
 HEADROOM_WARNING = 0.10  # below this fraction of free HBM, fragmentation or a new libtpu may tip it over
+# libtpu's compile option for the HBM per device that a program must fit in (MiB). The compiler's HBM use adapts
+# to what it has: ALBERT-xxlarge on a v5litepod-256 (data 32 × fsdp 8, 2 microbatches) takes 9.79 GiB of 15.75,
+# 7.84 GiB when capped at 8, and does not fit in 6. So a step's HBM at the chip's limit overstates what it needs,
+# and the question "does it fit with room to spare" is answered by compiling it under a cap. The compiler holds
+# its temporaries within the cap, not always the arguments with them (7.43 GiB in all under 7.19): the Plan's
+# own check, every buffer within hbm_limit, decides.
+HBM_CAP_OPTION = "xla_tpu_max_hbm_size_mib"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +164,15 @@ def model_flops_per_step(setup) -> float:
   return matmul_flops(jaxpr)
 
 
-def compile_step(setup):
-  """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings. Safe in
-  several threads at once; the caller keeps JAX's persistent cache off for a described topology
-  (`pretrain.plan.main`)."""
+def compile_step(setup, hbm_cap: Optional[float] = None):
+  """steps.jit_train_step(setup) compiled for abstract state and batch with the run's shardings; with
+  `hbm_cap` (bytes), as if each device had that much HBM (HBM_CAP_OPTION). Safe in several threads at once;
+  the caller keeps JAX's persistent cache off for a described topology (`pretrain.plan.main`)."""
   from pretrain import steps
   lowered = steps.lower_train_step(setup)  # as train() lowers it
+  options = {} if hbm_cap is None else {HBM_CAP_OPTION: str(int(hbm_cap // 2**20))}
   try:
-    return lowered.compile()
+    return lowered.compile(compiler_options=options)
   except Exception as e:  # XLA reports running out of HBM as a runtime error from compile()
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -217,10 +225,11 @@ def step_figures(compiled, setup) -> StepFigures:
   return StepFigures(memory, flops, bytes_accessed, collective_traffic(program, setup.mesh.devices.size), kernels)
 
 
-def measure(setup) -> tuple:
-  """(StepFigures, compile seconds) of the setup's step. Raises DoesNotFit where the compiler refuses it."""
+def measure(setup, hbm_cap: Optional[float] = None) -> tuple:
+  """(StepFigures, compile seconds) of the setup's step (compile_step). Raises DoesNotFit where the compiler
+  refuses it."""
   start = time.time()
-  compiled = compile_step(setup)
+  compiled = compile_step(setup, hbm_cap)
   return step_figures(compiled, setup), time.time() - start
 
 
@@ -293,22 +302,27 @@ def run_setup(arguments: dict, family, mesh, microbatches: Optional[int] = None)
                           rows_per_group)
 
 
-def describe(setup, arguments: dict, topology: str, num_slices: int) -> "Plan":
-  """The Plan of a setup, before any figures: the slice, the run and its layout."""
+def describe(setup, arguments: dict, topology: str, num_slices: int, hbm_cap: Optional[float] = None) -> "Plan":
+  """The Plan of a setup, before any figures: the slice, the run and its layout; `hbm_cap` as compile_step's."""
   import jax
 
   from pretrain import steps
   generation, chips = parse_topology(topology)
   devices = setup.mesh.devices.size
   config = setup.family.config
-  return Plan(topology=topology, num_slices=num_slices, devices=devices,
+  plan = Plan(topology=topology, num_slices=num_slices, devices=devices,
               device_kind=setup.mesh.devices.flat[0].device_kind, chip=CHIPS[generation],
               devices_per_chip=devices / (chips * num_slices), family=setup.family.name,
               parameters=sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
               batch_size=arguments["batch_size"],
               mesh={k: v for k, v in setup.mesh.shape.items() if v > 1} or {"data": 1},
               microbatches=setup.microbatches, remat=config.remat_policy, scan_layers=config.scan_layers,
-              tokens_per_step=steps.tokens_per_batch(arguments["batch_size"], arguments["task_feature_lengths"]))
+              tokens_per_step=steps.tokens_per_batch(arguments["batch_size"], arguments["task_feature_lengths"]),
+              hbm_cap=hbm_cap)
+  if hbm_cap is not None and hbm_cap > plan.chip_hbm:
+    raise ConfigError(f"--hbm_limit_gib={hbm_cap / GIB:g}: more than the {plan.chip_hbm / GIB:.2f} GiB a device of "
+                      f"{topology} has")
+  return plan
 
 
 @dataclasses.dataclass
@@ -331,6 +345,7 @@ class Plan:
   compile_seconds: float = 0.0
   figures: Optional[StepFigures] = None
   model_flops: float = 0.0  # whole step, all devices
+  hbm_cap: Optional[float] = None  # bytes per device the step was compiled to fit in, below the chip's own
 
   @property
   def peak_flops(self) -> float:
@@ -345,13 +360,24 @@ class Plan:
     return self.chip.ici_bandwidth / self.devices_per_chip
 
   @property
-  def hbm_limit(self) -> float:
+  def chip_hbm(self) -> float:
+    """Per device: what XLA lets a program use on this chip."""
     return self.chip.usable_hbm_bytes / self.devices_per_chip
 
   @property
+  def hbm_limit(self) -> float:
+    """Per device: the HBM the step was compiled to fit in."""
+    return self.chip_hbm if self.hbm_cap is None else self.hbm_cap
+
+  @property
   def headroom(self) -> float:
-    """The fraction of usable HBM the step leaves free (negative: it does not fit)."""
+    """The fraction of hbm_limit the step leaves free (negative: it does not fit)."""
     return 1 - self.figures.hbm_total / self.hbm_limit
+
+  @property
+  def roomy(self) -> bool:
+    """Leaves HEADROOM_WARNING of the chip's HBM free; a step compiled under a cap runs in what it took there."""
+    return self.figures.hbm_total <= (1 - HEADROOM_WARNING) * self.chip_hbm
 
   def step_seconds(self) -> dict:
     """Roofline lower bounds per step: all FLOPs at peak, all HBM bytes at full bandwidth, all collective

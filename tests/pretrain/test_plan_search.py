@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import types
+from typing import Optional
 from unittest import mock
 
 import numpy as np
@@ -92,9 +93,7 @@ def test_the_written_run_file_trains_with_the_chosen_layout(searched, tmp_path, 
 
 def test_nothing_fits_exits_2_with_the_slice_that_would_hold_the_state():
   # 1 MiB of HBM per core: no mesh holds the parameters, gradients and Adam moments.
-  v3 = dataclasses.replace(roofline.CHIPS["v3"], usable_hbm_bytes=2 * MIB)
-  with mock.patch.dict(roofline.CHIPS, {"v3": v3}):
-    result = run_plan("--search", *TINY)
+  result = run_plan("--search", *TINY, f"--hbm_limit_gib={MIB / 2**30}")
   assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
   last = result.stderr.strip().splitlines()[-1]
   assert re.fullmatch(r"pretrain\.plan: no layout fits: parameters, gradients and optimizer state alone need [\d.]+ "
@@ -133,12 +132,16 @@ class MadeUpSearch(plan_search.LayoutSearch):
     return plan_search.Candidate(layout, made_up_plan(hbm, self.LIMIT, times))
 
 
-def made_up_plan(hbm: float, limit: float, times: dict):
-  """A stand-in for a compiled roofline.Plan: its HBM, headroom and step times, with the Plan's own arithmetic."""
+def made_up_plan(hbm: float, limit: float, times: dict, chip_hbm: Optional[float] = None):
+  """A stand-in for a compiled roofline.Plan: its HBM, headroom and step times, with the Plan's own arithmetic;
+  `limit` below `chip_hbm`: compiled under a cap (--hbm_limit_gib)."""
   plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), hbm_limit=limit,
-                               headroom=1 - hbm / limit, step_seconds=lambda: times)
+                               chip_hbm=chip_hbm or limit,
+                               step_seconds=lambda: times)
   for method in ("bound", "overlapped_seconds", "serial_seconds"):
     setattr(plan, method, getattr(roofline.Plan, method).__get__(plan))
+  for figure in ("headroom", "roomy"):
+    setattr(plan, figure, getattr(roofline.Plan, figure).fget(plan))
   return plan
 
 
@@ -252,6 +255,10 @@ def test_the_best_layout_keeps_headroom_and_ties_of_compute_bound_layouts_go_to_
   assert plan_search._best([tight]) is tight  # a tight fit is still better than none
   confirmed_tight = candidate(1, 95, 1.0, 0.1, confirmed=True)
   assert plan_search._best([confirmed_tight, roomy]) is confirmed_tight  # a compile beats an estimate
+  # Compiled to fit in 90% of the chip's HBM (--hbm_limit_gib), a layout tight under that cap has the room.
+  capped = plan_search.Candidate(tight.layout, made_up_plan(88, 90, tight.plan.step_seconds(), chip_hbm=100), True)
+  assert capped.roomy and not confirmed_tight.roomy
+  assert plan_search._best([capped, dataclasses.replace(roomy, confirmed=True)]) is capped
   # Overlapped bounds that differ below the table's 3 digits tie: the serial bound decides.
   barely_faster = candidate(2, 60, 0.99951, 0.3)
   less_traffic = candidate(2, 60, 1.0004, 0.1)

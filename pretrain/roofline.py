@@ -21,9 +21,9 @@ HEADROOM_WARNING = 0.10  # below this fraction of free HBM, fragmentation or a n
 # libtpu's compile option for the HBM per device that a program must fit in (MiB). The compiler's HBM use adapts
 # to what it has: ALBERT-xxlarge on a v5litepod-256 (data 32 × fsdp 8, 2 microbatches) takes 9.79 GiB of 15.75,
 # 7.84 GiB when capped at 8, and does not fit in 6. So a step's HBM at the chip's limit overstates what it needs,
-# and the question "does it fit with room to spare" is answered by compiling it under a cap. The compiler holds
-# its temporaries within the cap, not always the arguments with them (7.43 GiB in all under 7.19): the Plan's
-# own check, every buffer within hbm_limit, decides.
+# and the question "does it fit with room to spare" is answered by compiling it under a cap. The compiler's own
+# count against the cap is not memory_analysis's sum (under 7.19 GiB that layout compiles at 7.43 in all): the
+# Plan's check, every buffer within hbm_limit, decides.
 HBM_CAP_OPTION = "xla_tpu_max_hbm_size_mib"
 
 

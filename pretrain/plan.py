@@ -28,8 +28,8 @@ The small compiles of an estimate (stacks of 2 and 3 layers) run `--jobs` at onc
 
 The compiler's HBM use adapts to the HBM it has (roofline.HBM_CAP_OPTION): with room to spare it holds more
 (earlier collectives, prefetches), so a step's HBM at the chip's limit overstates what it needs. `--hbm_limit_gib`
-compiles as if each device had that much: a layout that fits in 90% of the chip's HBM keeps 10% free whatever
-a new libtpu or a few more activations take.
+compiles as if each device had that much: a layout that fits in 90% of the chip's HBM still fits if a new libtpu
+or a few more activations need 10% more.
 
 Exit codes: 0 fits; 2 does not fit (the compiler's out-of-memory line on stderr; with --search, the
 smallest change that would fit); 1 bad configuration.

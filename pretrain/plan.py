@@ -4,7 +4,7 @@
       [--topology=v3:16x16] [--num_slices=N]
   python -m pretrain.plan --gin_file=RUN --topology=v4:4x4x4 --search [--confirm=3] [--max_minutes=M] \\
       [--write=PATH] [--jobs=N]
-  either with [--hbm_limit_gib=X]
+  (either one with [--hbm_limit_gib=X])
 
 Needs libtpu (`pip install -e ".[tpu]"`), not a TPU. It parses the same gin files as pretrain.train,
 takes train()'s bound arguments, builds the same Setup (steps.make_setup: model, optimizer,
@@ -182,7 +182,7 @@ def _flags(rest: list) -> dict:
   flags["max_minutes"] = _number(flags, "max_minutes", float, 0)
   flags["jobs"] = _number(flags, "jobs", int, 1, plan_search.MAX_JOBS) or plan_search.DEFAULT_JOBS
   limit = _number(flags, "hbm_limit_gib", float, 0)
-  flags["hbm_cap"] = None if limit is None else limit * GIB
+  flags["hbm_cap"] = None if limit is None else limit * GIB  # bytes, as the Plan counts HBM
   return flags
 
 
@@ -261,7 +261,7 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
   print(f"best: {result.best.layout.label()}{unconfirmed}{plan_search.against_run_layout(result)}; train with:")
   print(f"  {plan_search.gin_flags(result, arguments)}")
   if flags["write"]:
-    capped = "" if flags["hbm_limit_gib"] is None else f" --hbm_limit_gib={flags['hbm_limit_gib']}"
+    capped = "" if flags["hbm_cap"] is None else f" --hbm_limit_gib={flags['hbm_cap'] / GIB:g}"
     header = (f"Layout chosen by `python -m pretrain.plan --search --topology={topology}{capped}` on "
               f"{time.strftime('%Y-%m-%d')} ({accelerator_type(topology)} x {num_slices} slice(s)):")
     with open(flags["write"], "w") as f:

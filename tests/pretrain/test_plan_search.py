@@ -350,7 +350,8 @@ def test_confirming_passes_over_a_scanned_twin_whose_unrolled_layout_fits_with_r
 
 def test_once_a_confirmed_layout_needs_less_than_its_estimate_a_faster_one_estimated_over_by_as_much_is_confirmed():
   """As BART-large on a v5litepod-256: its fastest layout was estimated at 18.8 GiB of 15.75 and compiled at
-  11.0; the fitting layout confirmed first had been estimated 29% over."""
+  11.0; the fitting layout confirmed first had been estimated 29% over. Where no estimate fits, the least is
+  compiled to calibrate the rest."""
   def estimate(fsdp, microbatches, hbm, seconds):
     layout = plan_search.Layout(MESHES[[1, 2, 4].index(fsdp)], microbatches, "none", False)
     return plan_search.Candidate(layout, made_up_plan(hbm, 100, {"compute": seconds, "HBM": 0.0,
@@ -367,14 +368,13 @@ def test_once_a_confirmed_layout_needs_less_than_its_estimate_a_faster_one_estim
                           100, candidate.plan.step_seconds())
       return plan_search.Candidate(candidate.layout, plan, confirmed=True, estimate=candidate.plan)
 
-  def confirmed(full_size_share):
-    fitting, slower = estimate(4, 2, 90, 1.2), estimate(4, 4, 60, 1.4)
-    over, far_over = estimate(2, 1, 130, 1.0), estimate(1, 1, 200, 0.9)
-    ranked = sorted([slower, far_over, fitting, over], key=plan_search.Candidate.rank_key)
+  def confirmed(full_size_share, estimates=((4, 2, 90, 1.2), (4, 4, 60, 1.4), (2, 1, 130, 1.0), (1, 1, 200, 0.9))):
+    ranked = sorted([estimate(*figures) for figures in estimates], key=plan_search.Candidate.rank_key)
     search = Confirming(full_size_share)
     search.confirm_fastest(ranked, 2)
     best = plan_search._best(sorted(ranked, key=plan_search.Candidate.rank_key))  # as LayoutSearch.run ranks them
-    return [(layout.mesh_shape["fsdp"], layout.microbatches) for layout in search.estimated], best.layout.microbatches
+    return ([(layout.mesh_shape["fsdp"], layout.microbatches) for layout in search.estimated],
+            best and best.layout.microbatches)
 
   # The fitting layout compiles at 70% of its estimate: 130 × 0.7 = 91 may fit, 200 × 0.7 = 140 cannot.
   assert confirmed({1: 0.6, 2: 0.7, 4: 1.0}) == ([(4, 2), (2, 1)], 1)
@@ -383,6 +383,12 @@ def test_once_a_confirmed_layout_needs_less_than_its_estimate_a_faster_one_estim
   assert confirmed({1: 0.6, 2: 1.05, 4: 1.0}) == ([(4, 2), (4, 4)], 4)
   # The one estimated over compiles too big after all: the fitting one stays the best.
   assert confirmed({1: 0.9, 2: 0.7, 4: 1.0}) == ([(4, 2), (2, 1)], 2)
+  # Every estimate too big, as that BART search begun from its run file's layout: the one that needs the least
+  # HBM is compiled (at 60%: it fits), and the faster one estimated over by less than that is compiled next.
+  every_one_over = ((4, 2, 110, 1.2), (2, 1, 130, 1.0), (1, 1, 200, 0.9))
+  assert confirmed({1: 0.6, 2: 0.6, 4: 0.6}, every_one_over) == ([(4, 2), (2, 1)], 1)
+  # Where the least compiles too big too, the next least is compiled; nothing fits in the end.
+  assert confirmed({1: 1.0, 2: 1.0, 4: 1.0}, every_one_over) == ([(4, 2), (2, 1)], None)
 
 
 def test_a_confirmed_layout_the_compiler_refused_keeps_its_estimate_compile_time_and_mark_in_the_table():

@@ -278,7 +278,10 @@ def test_the_best_line_compares_the_best_layout_with_the_runs_own():
   fast, slow, too_big = candidate(2, 60, 1.0), candidate(1, 70, 1.25), candidate(4, 120, 0.9)
   assert said([fast, slow], slow) == ", 1.25x the speed of the run's own layout (1.25 s -> 1 s)"
   assert said([fast, slow], fast) == ", the run's own layout"
-  assert said([too_big, fast], too_big) == ", where the run's own layout does not fit"
+  estimated_too_big = ", where the run's own layout is estimated not to fit (not compiled at full size)"
+  assert said([fast, too_big], too_big) == estimated_too_big
+  compiled_too_big = dataclasses.replace(too_big, confirmed=True)
+  assert said([fast, compiled_too_big], compiled_too_big) == ", where the run's own layout does not fit"
 
 
 def test_max_minutes_stops_the_search_and_reports_what_it_has():

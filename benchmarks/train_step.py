@@ -25,7 +25,8 @@ kernels have no dropout on the attention probabilities, so where the model drops
 on both sides, to time the kernels there too.
 
 `--prng_impl` lists the random-key implementations of our dropout to time side by side (JAX's default
-threefry2x32; rbg draws its bits with XLA's RngBitGenerator). `--profile=N` then traces N steps of each of
+threefry2x32; rbg draws its bits with XLA's RngBitGenerator), and `--dropout_masks` the ways of drawing its
+masks (models/dropout.py: bernoulli, packed; auto is the chip's). `--profile=N` then traces N steps of each of
 ours and prints their device time by model source, layers folded (pretrain.op_profile); `--profile_dir`
 keeps each trace and compiled program there, for `python -m pretrain.op_profile` or TensorBoard.
 
@@ -91,6 +92,7 @@ def names(text: str, known) -> list:
 
 
 def make_parser() -> argparse.ArgumentParser:
+  from models.dropout import DROPOUT_MASKS
   from models.layers import ATTENTION_IMPLEMENTATIONS
   parser = argparse.ArgumentParser(prog="python benchmarks/train_step.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,6 +109,8 @@ def make_parser() -> argparse.ArgumentParser:
   parser.add_argument("--prng_impl", type=lambda s: names(s, PRNG_IMPLS), default=[PRNG_IMPLS[0]],
                       help="the random-key implementations of our dropout to time side by side (default: "
                            f"{PRNG_IMPLS[0]})")
+  parser.add_argument("--dropout_masks", type=lambda s: names(s, DROPOUT_MASKS), default=["auto"],
+                      help="how our dropout draws its masks (models/dropout.py), side by side (default: auto)")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps of each, interleaved; medians are printed")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (ours compiles before them)")
   parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -219,12 +223,13 @@ def random_batch(family, batch_size: int, lengths, rng):
   return {name: batch[name].astype(spec.dtype) for name, spec in shapes.items()}
 
 
-def with_attention(family, implementation: str):
-  """The family with our model's attention set (XLNet's relative attention has one implementation)."""
-  if not hasattr(family.config, "attention_implementation"):
-    return family
-  return dataclasses.replace(family, config=dataclasses.replace(family.config,
-                                                                attention_implementation=implementation))
+def with_choices(family, attention: str, dropout_masks: str):
+  """The family with our model's attention and dropout masks set (XLNet's relative attention has one
+  implementation)."""
+  chosen = {"dropout_masks": dropout_masks}
+  if hasattr(family.config, "attention_implementation"):
+    chosen["attention_implementation"] = attention
+  return dataclasses.replace(family, config=dataclasses.replace(family.config, **chosen))
 
 
 def attention_label(trainer, requested: str) -> str:
@@ -264,21 +269,24 @@ class Side:
     self.times.append(time.perf_counter() - start)
 
 
-def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: str, prng_impl: str) -> Side:
+def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: str, prng_impl: str,
+             dropout_masks: str) -> Side:
   """Our step as pretrain.train builds it, compiled ahead of its first call, its random keys (dropout's) of
-  `prng_impl`."""
+  `prng_impl`, its dropout masks drawn as `dropout_masks` says."""
   import jax
   from hf_reference import AdamWSettings, OurTrainer
   jax.config.update("jax_default_prng_impl", prng_impl)
   settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)  # the defaults of gin_configs/runs/pretrain.gin
   start = time.perf_counter()
-  trainer = OurTrainer(with_attention(family, requested), lengths, batch_size, settings, device)
+  trainer = OurTrainer(with_choices(family, requested, dropout_masks), lengths, batch_size, settings, device)
   init_s = time.perf_counter() - start
-  print(f"  ours {requested} ({prng_impl}): initialised in {init_s:.1f} s; compiling the step", flush=True)
+  print(f"  ours {requested} ({prng_impl}, {dropout_masks} dropout masks): initialised in {init_s:.1f} s; compiling "
+        "the step", flush=True)
   batch = trainer.device_batch(numpy_batch)
   start = time.perf_counter()
   memory = trainer.compile(batch)
-  label = attention_label(trainer, requested) + ("" if prng_impl == PRNG_IMPLS[0] else f" {prng_impl}")
+  label = (attention_label(trainer, requested) + ("" if prng_impl == PRNG_IMPLS[0] else f" {prng_impl}")
+           + ("" if dropout_masks == "auto" else f" {dropout_masks}"))
   return Side(f"ours {label}", lambda: trainer.step(batch)["loss"],
               trainer.num_params, init_s, time.perf_counter() - start, memory, trainer=trainer)
 
@@ -341,18 +349,19 @@ def compare(name: str, size_name: str, args, device) -> list:
   family, lengths, batch_size = family_and_lengths(name, size_name, args.device, args.attention_dropout)
   numpy_batch = random_batch(family, batch_size, lengths, np.random.default_rng(0))
   requested = args.attention if hasattr(family.config, "attention_implementation") else ["xla"]
-  variants = [(attention, prng) for prng in args.prng_impl for attention in requested]
+  variants = [(attention, prng, masks) for masks in args.dropout_masks for prng in args.prng_impl
+              for attention in requested]
   ours = []
-  for attention, prng in variants:
+  for attention, prng, masks in variants:
     try:
-      ours.append(our_side(family, lengths, batch_size, numpy_batch, device, attention, prng))
+      ours.append(our_side(family, lengths, batch_size, numpy_batch, device, attention, prng, masks))
       print(f"  {name} {size_name}: {ours[-1].label}: init {ours[-1].init_s:.1f} s, compile {ours[-1].compile_s:.1f} s",
             flush=True)  # progress: a large model's compile takes minutes
     except Exception as e:  # an implementation the chip or library refuses: the others still run
-      if (attention, prng) == variants[-1] and not ours:
+      if (attention, prng, masks) == variants[-1] and not ours:
         raise
-      print(f"  {name} {size_name}: our attention {attention!r} ({prng}) failed: {str(e).splitlines()[0][:300]}",
-            flush=True)
+      print(f"  {name} {size_name}: our attention {attention!r} ({prng}, {masks} dropout masks) failed: "
+            f"{str(e).splitlines()[0][:300]}", flush=True)
   start = time.perf_counter()
   theirs = their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device)
   print(f"  {name} {size_name}: {theirs.label}: built in {time.perf_counter() - start:.1f} s", flush=True)

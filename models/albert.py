@@ -37,6 +37,7 @@ class AlbertConfig:
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
   attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
+  dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
 
   def __post_init__(self):
     if self.share not in SHARE_MODES:
@@ -58,12 +59,12 @@ class AlbertConfig:
 
 def attention_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNAttentionBlock) -> nn.Module:
   return block_cls(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.attention_dropout_rate, cfg.layer_norm_eps,
-                   cfg.dtype, cfg.attention_implementation, name=name)
+                   cfg.dtype, cfg.attention_implementation, cfg.dropout_masks, name=name)
 
 
 def ffn_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNFeedForwardBlock) -> nn.Module:
   return block_cls(cfg.mlp_dim, cfg.dropout_rate, 0.0, cfg.layer_norm_eps, cfg.dtype, cfg.approximate_gelu,
-                   name=name)
+                   cfg.dropout_masks, name=name)
 
 
 class AlbertEncoder(nn.Module):
@@ -79,7 +80,7 @@ class AlbertEncoder(nn.Module):
   def __call__(self, input_ids, segment_ids, deterministic: bool):
     cfg = self.config
     x, word = BertEmbeddings(cfg.vocab_size, cfg.embedding_size, cfg.max_position_embeddings, cfg.type_vocab_size,
-                             cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, name="embeddings")(
+                             cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, cfg.dropout_masks, name="embeddings")(
                                  input_ids, segment_ids, deterministic)
     # E -> H. E is small and stays whole ("hidden" is never sharded); H is the "embed" of every layer.
     x = layers.dense(cfg.hidden_size, ("hidden",), ("embed",), dtype=cfg.dtype, name="embedding_projection")(x)
@@ -91,7 +92,7 @@ class AlbertEncoder(nn.Module):
           remat_policy=cfg.remat_policy, shared=cfg.share == "all", num_heads=cfg.num_heads, head_dim=cfg.head_dim,
           mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
           layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, approximate_gelu=cfg.approximate_gelu,
-          attention_implementation=cfg.attention_implementation)
+          attention_implementation=cfg.attention_implementation, dropout_masks=cfg.dropout_masks)
       return x, word
 
     def sublayers(make, block_cls, name: str, shared: bool) -> list:

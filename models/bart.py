@@ -38,6 +38,7 @@ class BartConfig:
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan per stack (see layers.layer_stack)
   attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
+  dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -62,18 +63,19 @@ class BartEmbeddings(nn.Module):
     scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
     x = shared(ids) * scale + position(jnp.arange(length)[None, :] + POSITION_OFFSET)
     x = layers.layer_norm(cfg.layer_norm_eps, cfg.dtype, "norm")(x)
-    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+    x = layers.Dropout(cfg.dropout_rate, cfg.dropout_masks)(x, deterministic=deterministic)
     return layers.constrain(x, layers.BATCH_LENGTH_EMBED)
 
 
 def attention_block(cfg: BartConfig, name: str) -> layers.PostLNAttentionBlock:
   return layers.PostLNAttentionBlock(cfg.num_heads, cfg.head_dim, cfg.dropout_rate, cfg.attention_dropout,
-                                     cfg.layer_norm_eps, cfg.dtype, cfg.attention_implementation, name=name)
+                                     cfg.layer_norm_eps, cfg.dtype, cfg.attention_implementation, cfg.dropout_masks,
+                                     name=name)
 
 
 def ffn_block(cfg: BartConfig) -> layers.PostLNFeedForwardBlock:
   return layers.PostLNFeedForwardBlock(cfg.ffn_dim, cfg.dropout_rate, cfg.activation_dropout, cfg.layer_norm_eps,
-                                       cfg.dtype, name="ffn")
+                                       cfg.dtype, dropout_masks=cfg.dropout_masks, name="ffn")
 
 
 class BartDecoderLayer(nn.Module):
@@ -99,7 +101,7 @@ class BartEncoder(nn.Module):
         remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.ffn_dim,
         dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype,
         attention_dropout_rate=cfg.attention_dropout, activation_dropout_rate=cfg.activation_dropout,
-        attention_implementation=cfg.attention_implementation)
+        attention_implementation=cfg.attention_implementation, dropout_masks=cfg.dropout_masks)
     return x
 
 

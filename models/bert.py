@@ -25,6 +25,7 @@ class BertConfig:
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
   attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
+  dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
 
   @property
   def head_dim(self) -> int:
@@ -44,6 +45,7 @@ class BertEmbeddings(nn.Module):
   dropout_rate: float
   layer_norm_eps: float
   dtype: Any
+  dropout_masks: str = "auto"
 
   @nn.compact
   def __call__(self, input_ids, segment_ids, deterministic: bool):
@@ -56,7 +58,7 @@ class BertEmbeddings(nn.Module):
     positions = jnp.arange(input_ids.shape[1])[None, :]
     x = word(input_ids) + position(positions) + token_type(segment_ids)
     x = layers.layer_norm(self.layer_norm_eps, self.dtype, "norm")(x)
-    x = nn.Dropout(self.dropout_rate)(x, deterministic=deterministic)
+    x = layers.Dropout(self.dropout_rate, self.dropout_masks)(x, deterministic=deterministic)
     return layers.constrain(x, layers.BATCH_LENGTH_EMBED), word
 
 
@@ -87,14 +89,15 @@ class BertEncoder(nn.Module):
   def __call__(self, input_ids, segment_ids, deterministic: bool):
     cfg = self.config
     x, word = BertEmbeddings(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, cfg.type_vocab_size,
-                             cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, name="embeddings")(
+                             cfg.dropout_rate, cfg.layer_norm_eps, cfg.dtype, cfg.dropout_masks, name="embeddings")(
                                  input_ids, segment_ids, deterministic)
     mask = layers.AttentionMask(query_valid=input_ids > 0, key_valid=input_ids > 0)
     x, _ = layers.layer_stack(
         layers.PostLNEncoderLayer, cfg.num_layers, x, mask, deterministic=deterministic, scan=cfg.scan_layers,
         remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
         dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
-        layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, attention_implementation=cfg.attention_implementation)
+        layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, attention_implementation=cfg.attention_implementation,
+        dropout_masks=cfg.dropout_masks)
     return x, word
 
 

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.dropout import Dropout
+
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 
@@ -210,7 +212,7 @@ def fused_attention_applies(implementation: str, *, dtype, head_dim: int, query_
   return query_length % 128 == 0 and key_length % 128 == 0  # the Pallas kernels' blocks
 
 
-def dot_product_attention(query, key, value, mask: AttentionMask, *, implementation: str, dropout: nn.Dropout,
+def dot_product_attention(query, key, value, mask: AttentionMask, *, implementation: str, dropout: Dropout,
                           deterministic: bool) -> jax.Array:
   """Softmax(q k^T / sqrt(d) + mask) v over [batch, length, heads, head_dim] arrays, in query's dtype;
   `dropout` (of the calling module) drops attention probabilities in training."""
@@ -330,6 +332,7 @@ class MultiHeadAttention(nn.Module):
   dropout_rate: float
   dtype: Dtype = jnp.float32
   implementation: str = "xla"  # see ATTENTION_IMPLEMENTATIONS
+  dropout_masks: str = "auto"
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv, mask: AttentionMask, deterministic: bool):
@@ -340,7 +343,8 @@ class MultiHeadAttention(nn.Module):
     key = constrain(project("key")(inputs_kv), BATCH_LENGTH_HEADS_KV)
     value = constrain(project("value")(inputs_kv), BATCH_LENGTH_HEADS_KV)
     context = dot_product_attention(query, key, value, mask, implementation=self.implementation,
-                                    dropout=nn.Dropout(self.dropout_rate), deterministic=deterministic)
+                                    dropout=Dropout(self.dropout_rate, self.dropout_masks),
+                                    deterministic=deterministic)
     context = constrain(context, BATCH_LENGTH_HEADS_KV)
     output = dense(inputs_q.shape[-1], ("heads", "kv"), ("embed",), axis=(-2, -1), dtype=self.dtype,
                    name="output")(context)
@@ -353,12 +357,13 @@ class FeedForward(nn.Module):
   dropout_rate: float = 0.0
   dtype: Dtype = jnp.float32
   approximate_gelu: bool = False
+  dropout_masks: str = "auto"
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
     h = dense(self.hidden_dim, ("embed",), ("mlp",), dtype=self.dtype, name="intermediate")(x)
     h = constrain(gelu(h, self.approximate_gelu), BATCH_LENGTH_MLP)
-    h = nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
+    h = Dropout(self.dropout_rate, self.dropout_masks)(h, deterministic=deterministic)
     out = dense(x.shape[-1], ("mlp",), ("embed",), dtype=self.dtype, name="output")(h)
     return constrain(out, BATCH_LENGTH_EMBED)
 
@@ -373,12 +378,14 @@ class PostLNAttentionBlock(nn.Module):
   layer_norm_eps: float
   dtype: Dtype = jnp.float32
   attention_implementation: str = "xla"
+  dropout_masks: str = "auto"
 
   @nn.compact
   def __call__(self, x, context, mask: AttentionMask, deterministic: bool):
     attention = MultiHeadAttention(self.num_heads, self.head_dim, self.attention_dropout_rate, self.dtype,
-                                   self.attention_implementation, name="attention")
-    update = nn.Dropout(self.dropout_rate)(attention(x, context, mask, deterministic), deterministic=deterministic)
+                                   self.attention_implementation, self.dropout_masks, name="attention")
+    update = Dropout(self.dropout_rate, self.dropout_masks)(attention(x, context, mask, deterministic),
+                                                            deterministic=deterministic)
     return constrain(layer_norm(self.layer_norm_eps, self.dtype, "norm")(x + update), BATCH_LENGTH_EMBED)
 
 
@@ -390,11 +397,13 @@ class PostLNFeedForwardBlock(nn.Module):
   layer_norm_eps: float
   dtype: Dtype = jnp.float32
   approximate_gelu: bool = False
+  dropout_masks: str = "auto"
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
-    ffn = FeedForward(self.mlp_dim, self.activation_dropout_rate, self.dtype, self.approximate_gelu, name="mlp")
-    update = nn.Dropout(self.dropout_rate)(ffn(x, deterministic), deterministic=deterministic)
+    ffn = FeedForward(self.mlp_dim, self.activation_dropout_rate, self.dtype, self.approximate_gelu,
+                      self.dropout_masks, name="mlp")
+    update = Dropout(self.dropout_rate, self.dropout_masks)(ffn(x, deterministic), deterministic=deterministic)
     return constrain(layer_norm(self.layer_norm_eps, self.dtype, "norm")(x + update), BATCH_LENGTH_EMBED)
 
 
@@ -410,15 +419,16 @@ class PostLNEncoderLayer(nn.Module):
   activation_dropout_rate: float = 0.0
   approximate_gelu: bool = False
   attention_implementation: str = "xla"
+  dropout_masks: str = "auto"
 
   @nn.compact
   def __call__(self, x, mask: AttentionMask, deterministic: bool):
     """-> (x, None): the `layer_stack` protocol."""
     x = PostLNAttentionBlock(self.num_heads, self.head_dim, self.dropout_rate, self.attention_dropout_rate,
-                             self.layer_norm_eps, self.dtype, self.attention_implementation,
+                             self.layer_norm_eps, self.dtype, self.attention_implementation, self.dropout_masks,
                              name="attention")(x, x, mask, deterministic)
     x = PostLNFeedForwardBlock(self.mlp_dim, self.dropout_rate, self.activation_dropout_rate, self.layer_norm_eps,
-                               self.dtype, self.approximate_gelu, name="ffn")(x, deterministic)
+                               self.dtype, self.approximate_gelu, self.dropout_masks, name="ffn")(x, deterministic)
     return x, None
 
 

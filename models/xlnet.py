@@ -57,6 +57,7 @@ class XLNetConfig:
   dtype: Any = jnp.float32  # compute dtype; parameters are always fp32
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
+  dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
 
   def __post_init__(self):
     if self.attn_type != "bi":
@@ -205,7 +206,7 @@ class RelativeAttention(nn.Module):
     seg_embed = self.param("seg_embed", layers.with_axes(layers.default_kernel_init, (None, "heads", "kv")),
                            (2, cfg.n_head, cfg.d_head), jnp.float32).astype(cfg.dtype)
     norm = layers.layer_norm(cfg.layer_norm_eps, cfg.dtype, "layer_norm")
-    drop = nn.Dropout(cfg.dropout_rate)
+    drop = layers.Dropout(cfg.dropout_rate, cfg.dropout_masks)
 
     def project(x, name):
       return layers.constrain(jnp.einsum("bld,dnh->blnh", x, weights[name]), layers.BATCH_LENGTH_HEADS_KV)
@@ -261,7 +262,8 @@ class XLNetLayer(nn.Module):
         h, g, mem.astype(cfg.dtype), pos_emb, seg_diff, mask_h, rows, shared_biases, deterministic)
     # x = LN(x + Dropout(FFN(x))), with dropout after the activation too, as the reference.
     position_wise = layers.PostLNFeedForwardBlock(cfg.d_inner, cfg.dropout_rate, cfg.dropout_rate,
-                                                  cfg.layer_norm_eps, cfg.dtype, name="ff")
+                                                  cfg.layer_norm_eps, cfg.dtype, dropout_masks=cfg.dropout_masks,
+                                                  name="ff")
     return (position_wise(h, deterministic), None if g is None else position_wise(g, deterministic)), new_mem
 
 
@@ -289,7 +291,7 @@ class XLNetLMHeadModel(nn.Module):
 
     mask_g, mask_h = attention_masks(features.get("perm_mask"), features.get("input_mask"), batch, qlen, mlen)
     seg_diff = segment_difference(features["segment_ids"], mlen)
-    drop = nn.Dropout(cfg.dropout_rate)
+    drop = layers.Dropout(cfg.dropout_rate, cfg.dropout_masks)
     word = layers.embedding(cfg.vocab_size, cfg.d_model, ("vocab", "embed"), cfg.dtype, "word_embedding")
     h = layers.constrain(drop(word(input_ids), deterministic=deterministic), layers.BATCH_LENGTH_EMBED)
     g, rows, target_mapping = None, None, features.get("target_mapping")

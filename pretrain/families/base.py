@@ -15,8 +15,12 @@ import jax.numpy as jnp
 import optax
 
 from data_pipelines import features
-from models import layers
+from models import dropout, layers
 from pretrain.errors import ConfigError, user_settings
+
+# Model settings whose 'auto' is resolved for the chip a run compiles for: name -> (values, chooser).
+DEVICE_CHOICES = {"attention_implementation": (layers.ATTENTION_IMPLEMENTATIONS, layers.attention_for_device),
+                  "dropout_masks": (dropout.DROPOUT_MASKS, dropout.masks_for_device)}
 
 Batch = Mapping[str, jax.Array]
 Metrics = Dict[str, jax.Array]
@@ -53,18 +57,16 @@ class Family(abc.ABC):
     return with_lengths
 
   def for_device(self, device) -> "Family":
-    """The family as it compiles for `device`'s chip: a model attention of 'auto' becomes the chip's
-    (`layers.attention_for_device`)."""
-    implementation = getattr(self.config, "attention_implementation", None)
-    if implementation is None:
-      return self
-    if implementation not in layers.ATTENTION_IMPLEMENTATIONS:
-      raise ConfigError(f"attention_implementation={implementation!r}: expected one of "
-                        f"{', '.join(layers.ATTENTION_IMPLEMENTATIONS)}")
-    if implementation != "auto":
-      return self
-    chosen = layers.attention_for_device(device)
-    return dataclasses.replace(self, config=dataclasses.replace(self.config, attention_implementation=chosen))
+    """The family as it compiles for `device`'s chip: a model's attention and dropout masks of 'auto' become
+    the chip's (`layers.attention_for_device`, `dropout.masks_for_device`)."""
+    chosen = {}
+    for name, (known, for_device) in DEVICE_CHOICES.items():
+      value = getattr(self.config, name, None)
+      if value is not None and value not in known:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(known)}")
+      if value == "auto":
+        chosen[name] = for_device(device)
+    return dataclasses.replace(self, config=dataclasses.replace(self.config, **chosen)) if chosen else self
 
   def _fit_lengths(self, feature_lengths: Mapping[str, int]) -> "Family":
     """Model settings that follow from TASK_FEATURE_LENGTHS (XLNet's reuse_len); none by default."""

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import types
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from models import layers
+from models.dropout import Dropout
 
 BATCH, LENGTH, HEADS, HEAD_DIM = 2, 128, 2, 32
 REAL_LENGTHS = np.array([128, 77])  # the second row ends in padding
@@ -41,7 +41,7 @@ MASKS = {
 
 
 def xla_attention(q, k, v, mask, implementation="xla", dropout_rate=0.0, deterministic=True, rng=0):
-  dropout = nn.Dropout(dropout_rate)
+  dropout = Dropout(dropout_rate)
   return dropout.apply({}, method=lambda module: layers.dot_product_attention(
       q, k, v, mask, implementation=implementation, dropout=module, deterministic=deterministic),
                        rngs={"dropout": jax.random.PRNGKey(rng)})
@@ -129,8 +129,14 @@ def test_a_family_resolves_auto_for_the_chip_it_compiles_for_and_refuses_unknown
   from pretrain.errors import ConfigError
   from pretrain.families.bert import BertFamily
   family = BertFamily(config=BertConfig(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32))
-  assert family.for_device(device("gpu", "NVIDIA H100 80GB HBM3", "9.0")).config.attention_implementation == "cudnn"
-  assert family.for_device(device("tpu", "TPU v3")).config.attention_implementation == "xla"
-  with pytest.raises(ConfigError, match="attention_implementation='flash'"):
-    dataclasses.replace(family, config=dataclasses.replace(family.config, attention_implementation="flash")
-                        ).for_device(device("cpu", "cpu"))
+  on_gpu = family.for_device(device("gpu", "NVIDIA H100 80GB HBM3", "9.0")).config
+  on_tpu, on_cpu = family.for_device(device("tpu", "TPU v3")).config, family.for_device(device("cpu", "cpu")).config
+  assert (on_gpu.attention_implementation, on_gpu.dropout_masks) == ("cudnn", "bernoulli")
+  assert (on_tpu.attention_implementation, on_tpu.dropout_masks) == ("xla", "bernoulli")
+  assert (on_cpu.attention_implementation, on_cpu.dropout_masks) == ("xla", "packed")
+  chosen = dataclasses.replace(family, config=dataclasses.replace(family.config, dropout_masks="bernoulli"))
+  assert chosen.for_device(device("cpu", "cpu")).config.dropout_masks == "bernoulli"  # a choice is kept
+  for name, value in (("attention_implementation", "flash"), ("dropout_masks", "philox")):
+    with pytest.raises(ConfigError, match=f"{name}='{value}'"):
+      dataclasses.replace(family, config=dataclasses.replace(family.config, **{name: value})
+                          ).for_device(device("cpu", "cpu"))

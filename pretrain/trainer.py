@@ -314,6 +314,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       if preempted:
         events.record("preemption", step=step)
       if step % checkpoint_every_steps == 0 or step == train_steps or preempted:
+        jax.block_until_ready(state)  # the step's own run, which a save waits for, counts as the step's
         with events.timed("save", step=step):
           saver.save(step, state)
       if step < train_steps and not preempted:

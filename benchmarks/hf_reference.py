@@ -247,14 +247,17 @@ def hf_loss_and_metrics(family, outputs, b):
 class HFTrainer:
   """transformers' model of the family with torch.optim.AdamW, set up as `OurTrainer`'s optimizer is."""
 
-  def __init__(self, family, batch_size: int, settings: AdamWSettings, params, seed: int = 0, device: str = "cpu"):
+  def __init__(self, family, batch_size: int, settings: AdamWSettings, params, seed: int = 0, device: str = "cpu",
+               compiled: bool = False):
     """`params`: our initial weights (numpy), which the model starts from; `seed`: torch's, for dropout.
     On a CUDA `device` it trains as people train it there: fp32 weights, bf16 autocast, fused AdamW, and
-    transformers' default attention for the model (sdpa where it has one)."""
+    transformers' default attention for the model (sdpa where it has one). `compiled`: the model's forward
+    (and so its backward) through torch.compile, which compiles at the first step."""
     import torch
     torch.manual_seed(seed)
     self.family, self.batch_size, self.settings, self.device = family, batch_size, settings, torch.device(device)
     self.model = hf_model(family, params, **HF_TRAINING_CONFIG.get(family.name, {})).to(self.device)
+    self.forward = torch.compile(self.model) if compiled else self.model  # the same parameters
     no_decay = hf_no_decay_names(family, self.model, params)
     named = list(self.model.named_parameters())
     groups = [{"params": [p for n, p in named if n not in no_decay], "weight_decay": settings.weight_decay},
@@ -290,7 +293,7 @@ class HFTrainer:
     inputs, b = hf_inputs(self.family, numpy_batch)
     inputs, b = ({k: v.to(self.device) for k, v in d.items()} for d in (inputs, b))
     with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
-      outputs = self.model(**inputs, **({"mems": mems} if mems is not None else {}))
+      outputs = self.forward(**inputs, **({"mems": mems} if mems is not None else {}))
     loss, metrics = hf_loss_and_metrics(self.family, outputs, b)
     return loss, metrics, (list(outputs.mems) if mems is not None else None)
 

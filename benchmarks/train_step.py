@@ -26,7 +26,9 @@ on both sides, to time the kernels there too.
 
 `--prng_impl` lists the random-key implementations of our dropout to time side by side (JAX's default
 threefry2x32; rbg draws its bits with XLA's RngBitGenerator), and `--dropout_masks` the ways of drawing its
-masks (models/dropout.py: bernoulli, packed; auto is the chip's). `--profile=N` then traces N steps of each of
+masks (models/dropout.py: bernoulli, packed; auto is the chip's). `--hf_compile` adds transformers' model
+under torch.compile as another peer (its first warm-up step compiles it; the ratios stay against the plain
+one, and a line gives ours against it). `--profile=N` then traces N steps of each of
 ours and prints their device time by model source, layers folded (pretrain.op_profile); `--profile_dir`
 keeps each trace and compiled program there, for `python -m pretrain.op_profile` or TensorBoard.
 
@@ -111,6 +113,9 @@ def make_parser() -> argparse.ArgumentParser:
                            f"{PRNG_IMPLS[0]})")
   parser.add_argument("--dropout_masks", type=lambda s: names(s, DROPOUT_MASKS), default=["auto"],
                       help="how our dropout draws its masks (models/dropout.py), side by side (default: auto)")
+  parser.add_argument("--hf_compile", action="store_true",
+                      help="also time transformers' model under torch.compile (it compiles in its first warm-up "
+                           "step, whose time is its compile figure)")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps of each, interleaved; medians are printed")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (ours compiles before them)")
   parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -262,6 +267,7 @@ class Side:
   times: list = dataclasses.field(default_factory=list)
   losses: list = dataclasses.field(default_factory=list)
   trainer: object = None
+  compiles_on_first_step: bool = False  # its first call's time is its compile figure
 
   def timed(self) -> None:
     start = time.perf_counter()
@@ -291,14 +297,16 @@ def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: s
               trainer.num_params, init_s, time.perf_counter() - start, memory, trainer=trainer)
 
 
-def their_side(family, batch_size: int, numpy_batch, params, device: str) -> Side:
-  """transformers' step from the same initial weights; on a GPU, its peak memory is torch's maximum
-  allocated over its steps."""
+def their_side(family, batch_size: int, numpy_batch, params, device: str, compiled: bool) -> Side:
+  """transformers' step from the same initial weights, its model under torch.compile if `compiled`; on a GPU,
+  its peak memory is torch's maximum allocated over its steps."""
   import torch
   from hf_reference import AdamWSettings, HFTrainer
   settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)
-  trainer = HFTrainer(family, batch_size, settings, params, device="cuda" if device == "gpu" else "cpu")
-  side = Side(f"HF {trainer.attention}", None, trainer.num_params, memory_bytes=0)
+  trainer = HFTrainer(family, batch_size, settings, params, device="cuda" if device == "gpu" else "cpu",
+                      compiled=compiled)
+  side = Side(f"HF {trainer.attention}" + (" compiled" if compiled else ""), None, trainer.num_params,
+              memory_bytes=0, compiles_on_first_step=compiled)
 
   def step():
     if trainer.on_gpu:
@@ -362,13 +370,21 @@ def compare(name: str, size_name: str, args, device) -> list:
         raise
       print(f"  {name} {size_name}: our attention {attention!r} ({prng}, {masks} dropout masks) failed: "
             f"{str(e).splitlines()[0][:300]}", flush=True)
-  start = time.perf_counter()
-  theirs = their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device)
-  print(f"  {name} {size_name}: {theirs.label}: built in {time.perf_counter() - start:.1f} s", flush=True)
-  sides = ours + [theirs]
+  hf_sides = []
+  for compiled in (False, True)[:1 + args.hf_compile]:
+    start = time.perf_counter()
+    hf_sides.append(their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device,
+                               compiled))
+    print(f"  {name} {size_name}: {hf_sides[-1].label}: built in {time.perf_counter() - start:.1f} s", flush=True)
+  theirs = hf_sides[0]  # the ratios' reference
+  sides = ours + hf_sides
   for side in sides:
-    for _ in range(args.warmup):
+    for warmup in range(args.warmup):
+      start = time.perf_counter()
       side.step()
+      if warmup == 0 and side.compiles_on_first_step:
+        side.compile_s = time.perf_counter() - start
+        print(f"  {name} {size_name}: {side.label}: compiled in its first step, {side.compile_s:.1f} s", flush=True)
     side.losses.clear()
   for _ in range(args.repeats):
     for side in sides:
@@ -388,6 +404,10 @@ def compare(name: str, size_name: str, args, device) -> list:
                  "memory_gib": side.memory_bytes / GIB, "init_s": side.init_s, "compile_s": side.compile_s,
                  "last_loss": side.losses[-1]})
   print_table(rows)
+  for compiled in hf_sides[1:]:
+    against = statistics.median(compiled.times)
+    print(f"  {name} {size_name}: against {compiled.label}: " + ", ".join(
+        f"{side.label} {against / statistics.median(side.times):.2f}x" for side in ours), flush=True)
   if args.profile:
     for side in ours:
       file_name = re.sub(r"\W+", "_", f"{name}_{size_name}_{side.label}")

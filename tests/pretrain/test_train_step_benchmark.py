@@ -1,6 +1,7 @@
 """benchmarks/train_step.py at its tiny size on the CPU, in this process: two of our attention choices, each
-with two ways of drawing dropout's masks, and transformers' step train from the same weights on one batch, the
-table has a row of figures for each, and each of ours is profiled by model source."""
+with two ways of drawing dropout's masks, and transformers' step, plain and under torch.compile, train from the
+same weights on one batch, the table has a row of figures for each, and each of ours is profiled by model
+source."""
 import re
 import runpy
 import sys
@@ -9,25 +10,30 @@ import sys
 def test_the_step_benchmark_times_each_side_from_the_same_weights(capsys, monkeypatch):
   monkeypatch.setattr(sys, "argv", ["benchmarks/train_step.py", "--families=bert", "--sizes=tiny", "--repeats=1",
                                     "--warmup=1", "--attention=xla,auto", "--attention_dropout=0",
-                                    "--dropout_masks=auto,bernoulli", "--profile=1"])
+                                    "--dropout_masks=auto,bernoulli", "--hf_compile", "--profile=1"])
   monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ on it
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the script sets it for its comparison on the CPU
   runpy.run_path("benchmarks/train_step.py", run_name="__main__")
   out = capsys.readouterr().out
   row = r"^bert\s+tiny\s+{}\s+([\d.]+)\s+([\d,]+)\s+([\d.]+)x\s+n/a\s+(\S+)\s+(\S+)\s+(\S+)$"
-  sides = ("ours xla", "ours auto=xla", "ours xla bernoulli", "ours auto=xla bernoulli", "HF sdpa")
+  sides = ("ours xla", "ours auto=xla", "ours xla bernoulli", "ours auto=xla bernoulli", "HF sdpa",
+           "HF sdpa compiled")
   rows = [re.search(row.format(re.escape(side)), out, re.M) for side in sides]
   assert all(rows), out
-  for ours in rows[:-1]:
+  for ours in rows[:-2]:
     assert float(ours[3]) > 0 and float(ours[4]) > 0  # XLA's memory footprint in GiB; init seconds
-  assert float(rows[-1][3]) == 1.0 and rows[-1][4] == "nan"  # HF against itself; torch reports no CPU peak
+  plain, compiled = rows[-2:]
+  assert float(plain[3]) == 1.0 and plain[4] == "nan"  # HF against itself; torch reports no CPU peak
+  assert float(compiled[6]) > 0  # torch.compile's first step
+  against = re.search(r"against HF sdpa compiled: ours xla ([\d.]+)x, ours auto=xla ([\d.]+)x", out)
+  assert against and abs(float(against[1]) - float(rows[0][3]) * float(compiled[1]) / float(plain[1])) < 0.02
   losses = re.search(r"last losses " + ", ".join(re.escape(side) + r" ([\d.]+)" for side in sides), out)
   losses = [float(loss) for loss in losses.groups()]
   # On a CPU 'auto' is XLA's attention and packed dropout masks: the same program, weights, batch and masks.
   assert losses[0] == losses[1] and losses[2] == losses[3]
   assert losses[0] != losses[2]  # other masks
-  for loss in losses[:-1]:
-    assert abs(loss - losses[-1]) < 0.02 * losses[-1]  # HF: the same weights, its own masks
+  for loss in losses[:-2] + losses[-1:]:
+    assert abs(loss - losses[-2]) < 0.02 * losses[-2]  # HF: the same weights, its own masks
   # One profile per side of ours, its kernels tied to the model's layers (folded) and to the backward pass.
   assert out.count("1 steps traced:") == 4
   profile = out[out.index("ours xla, 1 steps traced:"):]

@@ -257,7 +257,7 @@ class HFTrainer:
     torch.manual_seed(seed)
     self.family, self.batch_size, self.settings, self.device = family, batch_size, settings, torch.device(device)
     self.model = hf_model(family, params, **HF_TRAINING_CONFIG.get(family.name, {})).to(self.device)
-    self.forward = torch.compile(self.model) if compiled else self.model  # the same parameters
+    self.forward_model = torch.compile(self.model) if compiled else self.model  # the same parameters
     no_decay = hf_no_decay_names(family, self.model, params)
     named = list(self.model.named_parameters())
     groups = [{"params": [p for n, p in named if n not in no_decay], "weight_decay": settings.weight_decay},
@@ -293,7 +293,7 @@ class HFTrainer:
     inputs, b = hf_inputs(self.family, numpy_batch)
     inputs, b = ({k: v.to(self.device) for k, v in d.items()} for d in (inputs, b))
     with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
-      outputs = self.forward(**inputs, **({"mems": mems} if mems is not None else {}))
+      outputs = self.forward_model(**inputs, **({"mems": mems} if mems is not None else {}))
     loss, metrics = hf_loss_and_metrics(self.family, outputs, b)
     return loss, metrics, (list(outputs.mems) if mems is not None else None)
 

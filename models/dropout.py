@@ -75,7 +75,7 @@ class Dropout(nn.Module):
   says; 'auto' (a model used outside a run's setup, which resolves it for the mesh's chip) by the default
   device."""
   rate: float
-  masks: str = "bernoulli"
+  masks: str = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:

@@ -202,7 +202,7 @@ def test_family_carries_memory_and_scores_targets(params):
 
 @pytest.mark.parametrize("columns,width", [(20, 9), (16, 9), (9, 9), (1407, 896)])
 def test_shift_rows_takes_each_rows_window_and_puts_the_gradient_back(columns, width):
-  """shift_rows (the query stream's per-row relative shift, in binary stages with its own gradient)
+  """shift_rows (the query stream's per-row relative shift, in stages of the start's digits, with its own gradient)
   against a gather of each row's window; starts cover 0 and the largest allowed."""
   import jax.numpy as jnp
 

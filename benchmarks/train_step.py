@@ -371,7 +371,7 @@ def compare(name: str, size_name: str, args, device) -> list:
       print(f"  {name} {size_name}: our attention {attention!r} ({prng}, {masks} dropout masks) failed: "
             f"{str(e).splitlines()[0][:300]}", flush=True)
   hf_sides = []
-  for compiled in (False, True)[:1 + args.hf_compile]:
+  for compiled in [False] + [True] * args.hf_compile:
     start = time.perf_counter()
     hf_sides.append(their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device,
                                compiled))

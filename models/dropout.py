@@ -41,12 +41,17 @@ def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]) -> jax.Array:
   # A hash's decisions go to neighbouring elements of the last axis, so each device of a sharded mask draws
   # only its own block (the counters are elementwise too).
   decisions = jnp.stack(fields, axis=-1).reshape(*lead, -1)[..., :length]
-  return decisions >= round(rate * 2**DECISION_BITS)
+  return decisions >= _dropped_values(rate)
 
 
 def kept_fraction(rate: float) -> float:
   """The probability with which `keep_mask` keeps an element."""
-  return 1.0 - round(rate * 2**DECISION_BITS) / 2**DECISION_BITS
+  return 1.0 - _dropped_values(rate) / 2**DECISION_BITS
+
+
+def _dropped_values(rate: float) -> int:
+  """How many of a decision's 2**DECISION_BITS values drop the element: the rate, rounded."""
+  return round(rate * 2**DECISION_BITS)
 
 
 def _threefry_words(shape: Sequence[int], key_data: jax.Array) -> List[jax.Array]:

@@ -106,10 +106,9 @@ def shift_rows(scores: jax.Array, starts: jax.Array, width: int) -> jax.Array:
   TPU, and take_along_axis costs 30x the bytes.) The gradient puts each row back the same way, one select per
   stage: autodiff would pad and add every branch of every select.
   """
-  digits = _shift_digits(scores.shape[-1] - width)
-  largest = digits[-1][0] * digits[-1][1] - 1 if digits else 0
-  x = jnp.pad(scores, [(0, 0)] * 3 + [(0, largest - (scores.shape[-1] - width))])
-  for stride, radix in reversed(digits):
+  shift = scores.shape[-1] - width
+  x = jnp.pad(scores, [(0, 0)] * 3 + [(0, (1 << shift.bit_length()) - 1 - shift)])  # shifts < 2**bits
+  for stride, radix in reversed(_shift_digits(shift)):
     kept = x.shape[-1] - (radix - 1) * stride
     x = jax.lax.select_n(_digit(starts, stride, radix, x.shape[:3] + (kept,)),
                          *(x[..., d * stride:d * stride + kept] for d in range(radix)))

@@ -3,6 +3,7 @@
   python benchmarks/train_step.py [--families=bert,albert,xlnet,bart] [--sizes=tiny,small] [--repeats=10]
   python benchmarks/train_step.py --device=gpu --sizes=large --attention=xla,auto
   python benchmarks/train_step.py --device=gpu --sizes=large --families=bert --attention_dropout=0
+  python benchmarks/train_step.py --device=gpu --sizes=large --families=bert --attention=auto,triton
 
 For each family and size, builds our model exactly as pretrain.train does (the family fitted to a
 32000-piece vocabulary, `steps.make_setup` on a one-device mesh, the default AdamW of
@@ -19,10 +20,10 @@ update.
 On the CPU both compute in fp32. On a GPU (`--device=gpu`) ours computes in bf16 with fp32 parameters, as
 the run files do, and transformers runs with bf16 autocast, fused AdamW and its default attention for
 the model (sdpa, or eager where it has none: XLNet), named in the table. `--attention` lists our
-attention implementations to time side by side (models/layers.py: xla, cudnn, pallas, auto); the fused
-kernels have no dropout on the attention probabilities, so where the model drops them out in training
-(BERT: 0.1) our step runs XLA's attention whatever is chosen; `--attention_dropout=0` sets that rate to 0
-on both sides, to time the kernels there too.
+attention implementations to time side by side (models/layers.py: xla, cudnn, pallas, splash, triton, auto);
+of the fused kernels only triton (models/flash_dropout.py) drops out attention probabilities, so where the
+model drops them out in training (BERT: 0.1) our step runs XLA's attention for the others;
+`--attention_dropout=0` sets that rate to 0 on both sides, to time them there too.
 
 `--prng_impl` lists the random-key implementations of our dropout to time side by side (JAX's default
 threefry2x32; rbg draws its bits with XLA's RngBitGenerator), and `--dropout_masks` the ways of drawing its

@@ -96,3 +96,8 @@ class Dropout(nn.Module):
     else:  # as nn.Dropout draws it, at the same module path: the same masks
       keep, kept = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.rate, x.shape), 1.0 - self.rate
     return jax.lax.select(keep, x / kept, jnp.zeros_like(x))
+
+  def kernel_seed(self) -> jax.Array:
+    """Two uint32 words from this module's 'dropout' rng, for a kernel that draws its own masks
+    (models/flash_dropout.py)."""
+    return jax.random.bits(self.make_rng("dropout"), (2,), jnp.uint32)

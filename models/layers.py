@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import flash_dropout
 from models.dropout import Dropout
 
 Dtype = Any
@@ -177,9 +178,10 @@ class AttentionMask:
 
 
 # Attention implementations. 'xla' writes out the [b, heads, q, k] scores and probabilities; the fused
-# kernels never do, but take no dropout on the probabilities (cuDNN's has it underneath, with a seed fixed at
-# compile time: not exposed by JAX). 'auto' is resolved per chip by `attention_for_device`.
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "splash")
+# kernels never do. Of them only 'triton' (models/flash_dropout.py: Pallas on Triton, for NVIDIA GPUs) drops out
+# probabilities; cuDNN's kernel has dropout underneath, with a seed fixed at compile time, not exposed by JAX.
+# 'auto' is resolved per chip by `attention_for_device`.
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "splash", "triton")
 
 
 def attention_for_device(device) -> str:
@@ -203,8 +205,11 @@ def attention_for_device(device) -> str:
 
 def fused_attention_applies(implementation: str, *, dtype, head_dim: int, query_length: int, key_length: int,
                             dropout_rate: float, deterministic: bool) -> bool:
-  """Whether `implementation`'s kernel computes this attention exactly as XLA's would; where it cannot
-  (probability dropout in training, fp32 compute, shapes the kernel does not tile), XLA's runs instead."""
+  """Whether `implementation`'s kernel computes this attention as XLA's would (with probability dropout: the
+  same distribution of masks); where it cannot (probability dropout in training, but for 'triton'; fp32
+  compute; shapes the kernel does not tile), XLA's runs instead."""
+  if implementation == "triton":
+    return flash_dropout.applies(query_length, key_length, head_dim)
   if implementation not in ("cudnn", "pallas", "splash") or (dropout_rate > 0 and not deterministic):
     return False
   if implementation == "cudnn":  # cuDNN's flash attention: half precision, head dims up to 128 in steps of 8
@@ -224,6 +229,9 @@ def dot_product_attention(query, key, value, mask: AttentionMask, *, implementat
     implementation = attention_for_device(jax.devices()[0])
   if fused_attention_applies(implementation, dtype=query.dtype, head_dim=head_dim, query_length=query_length,
                              key_length=key_length, dropout_rate=dropout.rate, deterministic=deterministic):
+    if implementation == "triton":
+      return _triton_attention(query, key, value, mask, 0.0 if deterministic else dropout.rate,
+                               None if deterministic or dropout.rate == 0 else dropout.kernel_seed())
     fused = {"cudnn": _cudnn_attention, "pallas": _pallas_attention, "splash": _splash_attention}[implementation]
     return fused(query, key, value, mask)
   query = query / jnp.sqrt(head_dim).astype(query.dtype)
@@ -249,12 +257,21 @@ def _pallas_attention(query, key, value, mask: AttentionMask) -> jax.Array:
   """Pallas flash attention on TPU (jax's first TPU kernel: separate dq and dk/dv backward kernels)."""
   from jax.experimental.pallas.ops.tpu import flash_attention as flash  # TPU-only module, imported on use
 
-  def attend(q, k, v, segments):
+  def attend(q, k, v, segments, _device):
     segment_ids = None if segments is None else flash.SegmentIds(*segments)
     return flash.flash_attention(q, k, v, segment_ids=segment_ids, causal=mask.causal,
                                  sm_scale=1.0 / math.sqrt(q.shape[-1]))
 
   return _per_device(attend, query, key, value, mask)
+
+
+def _triton_attention(query, key, value, mask: AttentionMask, rate: float, seed) -> jax.Array:
+  """models/flash_dropout.py's kernels, per device under the mesh; each device's masks under its own seed."""
+  def attend(q, k, v, segments, device_index):
+    return flash_dropout.attention(q, k, v, key_valid=None if segments is None else segments[1], causal=mask.causal,
+                                   rate=rate, seed=None if seed is None else flash_dropout.fold_in(seed, device_index))
+
+  return _per_device(attend, query, key, value, mask, heads_major=False)
 
 
 def _splash_attention(query, key, value, mask: AttentionMask) -> jax.Array:
@@ -271,7 +288,7 @@ def _splash_attention(query, key, value, mask: AttentionMask) -> jax.Array:
   head_mask = (masks.CausalMask((query_length, key_length)) if mask.causal
                else masks.FullMask((query_length, key_length)))
 
-  def attend(q, k, v, segments):
+  def attend(q, k, v, segments, _device):
     kernel = splash.make_splash_mha(masks.MultiHeadMask([head_mask] * q.shape[1]), head_shards=1, q_seq_shards=1,
                                     block_sizes=blocks)
     q = q / jnp.sqrt(head_dim).astype(q.dtype)  # splash takes no softmax scale
@@ -288,12 +305,13 @@ def _splash_block(length: int) -> int:
   return next(block for block in (512, 256, 128) if length % block == 0)
 
 
-def _per_device(attend, query, key, value, mask: AttentionMask) -> jax.Array:
-  """`attend(q, k, v, segments)` of a Pallas TPU kernel, on [batch, heads, length, head_dim] arrays, run per
-  device under the mesh (a kernel is not partitioned by XLA): batch and heads split as the logical axis rules
-  split the activations, each device attending over whole rows. `segments`: None, or the (query, key)
-  segment ids [batch, length] that express padding: real positions are segment 1, padding 0, and a query
-  attends only within its segment."""
+def _per_device(attend, query, key, value, mask: AttentionMask, heads_major: bool = True) -> jax.Array:
+  """`attend(q, k, v, segments, device)` of a Pallas kernel, run per device under the mesh (a kernel is not
+  partitioned by XLA): batch and heads split as the logical axis rules split the activations, each device
+  attending over whole rows. The arrays are [batch, heads, length, head_dim] if `heads_major` (the TPU kernels'
+  layout), else as given: [batch, length, heads, head_dim]. `segments`: None, or the (query, key) segment ids
+  [batch, length] that express padding: real positions are segment 1, padding 0, and a query attends only
+  within its segment. `device`: the device's index among those that split the rows (0 without a mesh)."""
   segments = None
   if mask.query_valid is not None or mask.key_valid is not None:
     batch, query_length, key_length = query.shape[0], query.shape[1], key.shape[1]
@@ -301,28 +319,39 @@ def _per_device(attend, query, key, value, mask: AttentionMask) -> jax.Array:
                                     else jnp.broadcast_to(valid, (batch, length)).astype(jnp.int32))
     segments = (as_ids(mask.query_valid, query_length), as_ids(mask.key_valid, key_length))
 
-  def heads_major(q, k, v, segments):
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # the kernels' [batch, heads, length, head_dim]
-    return jnp.swapaxes(attend(q, k, v, segments), 1, 2)
+  def in_layout(q, k, v, segments, device):
+    if not heads_major:
+      return attend(q, k, v, segments, device)
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    return jnp.swapaxes(attend(q, k, v, segments, device), 1, 2)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return heads_major(query, key, value, segments)
+    return in_layout(query, key, value, segments, 0)
   batch_axes, _, heads_axes, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS_KV)
   # An axis the mesh does not divide (init's one example row) is whole on every device.
   batch_axes = _if_dividing(batch_axes, query.shape[0], mesh)
   heads_axes = _if_dividing(heads_axes, query.shape[2], mesh)
+  splitting = _axis_names(batch_axes) + _axis_names(heads_axes)
   heads_spec = jax.sharding.PartitionSpec(batch_axes, None, heads_axes, None)  # whole rows on every device
   rows_spec = jax.sharding.PartitionSpec(batch_axes, None)
   segment_spec = None if segments is None else (rows_spec, rows_spec)
-  return jax.shard_map(heads_major, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec),
+
+  def on_device(q, k, v, segments):
+    return in_layout(q, k, v, segments, jax.lax.axis_index(splitting) if splitting else 0)
+
+  return jax.shard_map(on_device, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec),
                        out_specs=heads_spec, check_vma=False)(query, key, value, segments)
+
+
+def _axis_names(mesh_axes) -> tuple:
+  """A PartitionSpec entry (a name, names or None) as a tuple of names."""
+  return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
 
 
 def _if_dividing(mesh_axes, size: int, mesh):
   """`mesh_axes` (a name, names or None) if their devices divide `size`, else None."""
-  names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
-  return mesh_axes if size % math.prod(mesh.shape[name] for name in names) == 0 else None
+  return mesh_axes if size % math.prod(mesh.shape[name] for name in _axis_names(mesh_axes)) == 0 else None
 
 
 class MultiHeadAttention(nn.Module):

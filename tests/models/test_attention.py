@@ -2,8 +2,8 @@
 
 cuDNN's kernel needs an NVIDIA GPU: here its arguments (padding as sequence lengths, causal) go to the
 same jax.nn.dot_product_attention with implementation='xla', which must match ours at every real
-position. The Pallas TPU kernels run in Pallas's interpreters (flash attention in its TPU interpret mode, splash
-attention in its generic one), values and gradients."""
+position. The Pallas kernels run in Pallas's interpreters (TPU flash attention in its TPU interpret mode, splash
+attention and the GPU kernel of models/flash_dropout.py in its generic one), values and gradients."""
 import contextlib
 import functools
 import types
@@ -61,9 +61,11 @@ def test_cudnn_arguments_give_our_attention(case):
 
 
 @pytest.mark.parametrize("case", sorted(MASKS))
-@pytest.mark.parametrize("kernel", ["pallas", "splash"])
+@pytest.mark.parametrize("kernel", ["pallas", "splash", "triton"])
 def test_pallas_kernels_match_xla_values_and_gradients(kernel, case, monkeypatch):
   interpreted = pltpu.force_tpu_interpret_mode()
+  if kernel == "triton":  # the GPU kernel runs in Pallas's generic interpreter on a CPU by itself
+    interpreted = contextlib.nullcontext()
   if kernel == "splash":
     # Pallas's TPU interpreter cannot run a kernel vmapped over the batch (its grid then has one dimension
     # more than the kernel's dimension semantics); its generic interpreter runs the same kernel.
@@ -101,6 +103,21 @@ def test_probability_dropout_in_training_runs_xla_attention_whatever_is_chosen()
                                         key_length=512, dropout_rate=0.1, deterministic=True)
   assert not layers.fused_attention_applies("cudnn", dtype=jnp.float32, head_dim=64, query_length=512,
                                             key_length=512, dropout_rate=0.0, deterministic=True)
+
+
+def test_triton_drops_probabilities_in_training_from_the_layers_dropout_rng():
+  q, k, v = qkv()
+  mask, real_queries = MASKS["padded self-attention"]
+  real = np.asarray(real_queries)
+  train = lambda rng: np.asarray(xla_attention(q, k, v, mask, "triton", 0.3, deterministic=False, rng=rng))
+  first, again, other = train(3), train(3), train(4)
+  np.testing.assert_array_equal(first, again)  # the seed comes from the rng: a step's masks are reproducible
+  assert not np.allclose(first[real], other[real])
+  evaluated = np.asarray(xla_attention(q, k, v, mask, "triton", 0.3, deterministic=True))
+  np.testing.assert_allclose(evaluated[real], np.asarray(xla_attention(q, k, v, mask))[real], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(first[real], evaluated[real])
+  assert layers.fused_attention_applies("triton", dtype=jnp.bfloat16, head_dim=64, query_length=512,
+                                        key_length=512, dropout_rate=0.1, deterministic=False)
 
 
 def device(platform, kind, compute_capability=None):

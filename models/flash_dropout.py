@@ -1,0 +1,258 @@
+"""Flash attention for GPUs with dropout on the attention probabilities: a Pallas kernel on Triton.
+
+No fused attention in JAX's public API drops out attention probabilities (cuDNN's kernel can, underneath, with
+a seed fixed when the program compiles), so BERT's recipe (attention dropout 0.1) trained through XLA's
+attention, which writes out the [batch, heads, q, k] scores, probabilities and dropout masks of every layer.
+Here each keep-or-drop decision is a hash of the element's coordinates under the call's seed (`keep_mask`),
+so the forward pass makes it where it uses it and the backward pass makes the same one again: nothing
+score-sized reaches memory.
+
+- Forward: per block of queries, one pass over the keys (FlashAttention-2): the running max and normaliser
+  of the softmax from the undropped probabilities, the output from the kept ones scaled by 1 / (1 - rate);
+  it saves the rows' log-sum-exp.
+- Backward: one kernel per block of keys for dk and dv, one per block of queries for dq, each computing the
+  probabilities and decisions again from the log-sum-exp and the seed.
+
+Arrays are [batch, length, heads, head_dim]; padding is a key mask (`key_valid` [batch, keys]), padded keys
+get no weight; rows of padded queries attend like the others (nothing downstream reads them). On the CPU
+the kernels run in Pallas's interpret mode (tests); on an NVIDIA GPU Triton compiles them.
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+BLOCK = 64  # queries and keys per tile, forward and backward: lengths must be multiples of it
+MASKED_SCORE = -1e30  # finite, so that a row with no valid key stays finite (uniform), as XLA's bias makes it
+SPREAD = np.uint32(0x9E3779B9)  # odd: multiplying by it sends consecutive integers far apart before hashing
+
+
+def applies(query_length: int, key_length: int, head_dim: int) -> bool:
+  """Whether the kernels tile these shapes (Triton's products want a head_dim that is a power of 2, >= 16)."""
+  return (query_length % BLOCK == 0 and key_length % BLOCK == 0 and head_dim >= 16
+          and head_dim & (head_dim - 1) == 0)
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability about 1/2."""
+  x = x ^ (x >> 16)
+  x = x * np.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * np.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def _row_salt(seed, row: jax.Array) -> jax.Array:
+  """A (batch, head) row's 32-bit salt under the call's two seed words."""
+  return _mix(seed[0] ^ _mix(row.astype(jnp.uint32) * SPREAD + seed[1]))
+
+
+def _program_salt(seed_ref, rate: float):
+  """The salt of the (batch, head) row of this kernel program (grids are (block, batch, head)); None without
+  dropout."""
+  return _row_salt(seed_ref, pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)) if rate > 0 else None
+
+
+def _keeps(salt, query_positions, key_positions, key_length: int, rate: float) -> jax.Array:
+  """Keep-or-drop decisions of a tile: True with probability 1 - rate (rounded to 2**-32), from two rounds of
+  the hash over the element's index in its row, under the row's salt; None without one (no dropout)."""
+  if salt is None:
+    return None
+  index = query_positions.astype(jnp.uint32) * np.uint32(key_length) + key_positions.astype(jnp.uint32)
+  bits = _mix(_mix(index ^ salt) + salt)
+  return bits >= np.uint32(min(round(rate * 2**32), 2**32 - 1))
+
+
+def keep_mask(seed: jax.Array, shape, rate: float) -> jax.Array:
+  """The kernels' decisions for a [batch, heads, q, k] attention, written out (tests, and XLA's reference)."""
+  batch, heads, query_length, key_length = shape
+  rows = jnp.arange(batch * heads, dtype=jnp.uint32).reshape(batch, heads, 1, 1)
+  return _keeps(_row_salt(seed, rows), jnp.arange(query_length)[:, None], jnp.arange(key_length)[None, :],
+                key_length, rate)
+
+
+def fold_in(seed: jax.Array, index) -> jax.Array:
+  """The seed of the `index`-th device of those that split a call's rows: each draws different masks."""
+  return jnp.stack([seed[0] ^ _mix(jnp.asarray(index, jnp.uint32) * SPREAD + np.uint32(1)), seed[1]])
+
+
+def _scores(q, k, query_positions, key_positions, key_valid, scale: float, causal: bool):
+  """A tile's scaled scores in fp32, MASKED_SCORE where the key is padding or (causal) in the future."""
+  scores = plt.dot(q, k, trans_b=True).astype(jnp.float32) * scale
+  allowed = key_valid[None, :] > 0
+  if causal:
+    allowed = allowed & (query_positions[:, None] >= key_positions[None, :])
+  return jnp.where(allowed, scores, MASKED_SCORE)
+
+
+def _dropped(probs, keep, rate: float):
+  """Kept probabilities scaled by 1 / (1 - rate), dropped ones 0; probs themselves without dropout."""
+  return probs if keep is None else jnp.where(keep, probs * (1.0 / (1.0 - rate)), 0.0)
+
+
+def _forward_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, causal, rate):
+  key_length = k_ref.shape[0]
+  salt = _program_salt(seed_ref, rate)
+  query_positions = pl.program_id(0) * BLOCK + jnp.arange(BLOCK)
+  q = q_ref[...]
+
+  def step(key_block, carry):
+    acc, running_max, normaliser = carry
+    keys = pl.ds(key_block * BLOCK, BLOCK)
+    key_positions = key_block * BLOCK + jnp.arange(BLOCK)
+    scores = _scores(q, k_ref[keys, :], query_positions, key_positions, key_valid_ref[keys], scale, causal)
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - new_max[:, None])
+    keep = _keeps(salt, query_positions[:, None], key_positions[None, :], key_length, rate)
+    v = v_ref[keys, :]
+    acc = acc * correction[:, None] + plt.dot(_dropped(probs, keep, rate).astype(v.dtype), v)
+    return acc, new_max, normaliser * correction + probs.sum(axis=-1)
+
+  start = (jnp.zeros((BLOCK, q.shape[-1]), jnp.float32), jnp.full((BLOCK,), -jnp.inf, jnp.float32),
+           jnp.zeros((BLOCK,), jnp.float32))
+  acc, running_max, normaliser = jax.lax.fori_loop(0, key_length // BLOCK, step, start)
+  out_ref[...] = (acc / normaliser[:, None]).astype(out_ref.dtype)
+  lse_ref[...] = running_max + jnp.log(normaliser)
+
+
+def _tile_gradients(q, k, v, d_out, lse, delta, query_positions, key_positions, key_valid, salt, key_length, *,
+                    scale, causal, rate):
+  """A tile's (kept probabilities, score gradients): what dv, dk and dq are products of."""
+  probs = jnp.exp(_scores(q, k, query_positions, key_positions, key_valid, scale, causal) - lse[:, None])
+  keep = _keeps(salt, query_positions[:, None], key_positions[None, :], key_length, rate)
+  d_probs = _dropped(plt.dot(d_out, v, trans_b=True).astype(jnp.float32), keep, rate)
+  return _dropped(probs, keep, rate), probs * (d_probs - delta[:, None]) * scale
+
+
+def _dkv_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                scale, causal, rate):
+  query_length, key_length = q_ref.shape[0], key_valid_ref.shape[0]
+  salt = _program_salt(seed_ref, rate)
+  keys = pl.ds(pl.program_id(0) * BLOCK, BLOCK)
+  key_positions = pl.program_id(0) * BLOCK + jnp.arange(BLOCK)
+  k, v, key_valid = k_ref[...], v_ref[...], key_valid_ref[keys]
+
+  def step(query_block, carry):
+    dk, dv = carry
+    queries = pl.ds(query_block * BLOCK, BLOCK)
+    q, d_out = q_ref[queries, :], d_out_ref[queries, :]
+    kept, d_scores = _tile_gradients(q, k, v, d_out, lse_ref[queries], delta_ref[queries],
+                                     query_block * BLOCK + jnp.arange(BLOCK), key_positions, key_valid, salt,
+                                     key_length, scale=scale, causal=causal, rate=rate)
+    dv = dv + plt.dot(kept.astype(d_out.dtype), d_out, trans_a=True)
+    dk = dk + plt.dot(d_scores.astype(q.dtype), q, trans_a=True)
+    return dk, dv
+
+  zeros = jnp.zeros((BLOCK, k.shape[-1]), jnp.float32)
+  dk, dv = jax.lax.fori_loop(0, query_length // BLOCK, step, (zeros, zeros))
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, dq_ref, *,
+               scale, causal, rate):
+  key_length = k_ref.shape[0]
+  salt = _program_salt(seed_ref, rate)
+  query_positions = pl.program_id(0) * BLOCK + jnp.arange(BLOCK)
+  q, d_out, lse, delta = q_ref[...], d_out_ref[...], lse_ref[...], delta_ref[...]
+
+  def step(key_block, dq):
+    keys = pl.ds(key_block * BLOCK, BLOCK)
+    k = k_ref[keys, :]
+    _, d_scores = _tile_gradients(q, k, v_ref[keys, :], d_out, lse, delta, query_positions,
+                                  key_block * BLOCK + jnp.arange(BLOCK), key_valid_ref[keys], salt, key_length,
+                                  scale=scale, causal=causal, rate=rate)
+    return dq + plt.dot(d_scores.astype(k.dtype), k)
+
+  dq = jax.lax.fori_loop(0, key_length // BLOCK, step, jnp.zeros((BLOCK, q.shape[-1]), jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _specs(query_length: int, key_length: int, head_dim: int, blocked: str) -> dict:
+  """BlockSpecs of the kernels' operands and results by name, for a grid over (blocks of `blocked` ('queries' or
+  'keys'), batch, heads): the blocked side one block, the other whole."""
+  def rows(length, side):
+    block, index = (BLOCK, lambda i: i) if side == blocked else (length, lambda i: 0)
+    return (pl.BlockSpec((None, block, None, head_dim), lambda i, b, h: (b, index(i), h, 0)),
+            pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, index(i))))
+  query_rows, query_stats = rows(query_length, "queries")
+  key_rows, _ = rows(key_length, "keys")
+  return dict(seed=pl.BlockSpec((2,), lambda i, b, h: (0,)),
+              key_valid=pl.BlockSpec((None, key_length), lambda i, b, h: (b, 0)),
+              q=query_rows, out=query_rows, d_out=query_rows, dq=query_rows, lse=query_stats, delta=query_stats,
+              k=key_rows, v=key_rows, dk=key_rows, dv=key_rows)
+
+
+def _run(kernel, blocked: str, operands: dict, results: dict, *, causal: bool, rate: float, interpret: bool):
+  """`kernel` over a grid of (blocks of `blocked`, batch, heads), on `operands` and making `results` (by name:
+  arrays and ShapeDtypeStructs), each tiled as `_specs` tiles its name."""
+  batch, query_length, heads, head_dim = operands["q"].shape
+  key_length = operands["k"].shape[1]
+  specs = _specs(query_length, key_length, head_dim, blocked)
+  grid = ((query_length if blocked == "queries" else key_length) // BLOCK, batch, heads)
+  kernel = functools.partial(kernel, scale=1.0 / math.sqrt(head_dim), causal=causal, rate=rate)
+  return pl.pallas_call(kernel, grid=grid, in_specs=[specs[name] for name in operands],
+                        out_specs=[specs[name] for name in results], out_shape=list(results.values()),
+                        interpret=interpret, compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+                        )(*operands.values())
+
+
+def _forward(q, k, v, key_valid, seed, causal, rate, interpret):
+  """(out, lse): the output and each row's log-sum-exp of its scores [batch, heads, queries], in fp32."""
+  batch, query_length, heads, _ = q.shape
+  return _run(_forward_kernel, "queries", dict(seed=seed, key_valid=key_valid, q=q, k=k, v=v),
+              dict(out=jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   lse=jax.ShapeDtypeStruct((batch, heads, query_length), jnp.float32)),
+              causal=causal, rate=rate, interpret=interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, key_valid, seed, causal, rate, interpret):
+  return _forward(q, k, v, key_valid, seed, causal, rate, interpret)[0]
+
+
+def _attention_forward(q, k, v, key_valid, seed, causal, rate, interpret):
+  out, lse = _forward(q, k, v, key_valid, seed, causal, rate, interpret)
+  return out, (q, k, v, key_valid, seed, out, lse)
+
+
+def _attention_backward(causal, rate, interpret, residuals, d_out):
+  q, k, v, key_valid, seed, out, lse = residuals
+  # Each row's sum of d_out * out equals its sum of probabilities times their gradient, dropout included.
+  delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  operands = dict(seed=seed, key_valid=key_valid, q=q, k=k, v=v, d_out=d_out.astype(q.dtype), lse=lse, delta=delta)
+  options = dict(causal=causal, rate=rate, interpret=interpret)
+  like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  dk, dv = _run(_dkv_kernel, "keys", operands, dict(dk=like(k), dv=like(v)), **options)
+  (dq,) = _run(_dq_kernel, "queries", operands, dict(dq=like(q)), **options)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
+
+
+def attention(q, k, v, *, key_valid=None, causal: bool = False, rate: float = 0.0, seed=None,
+              interpret=None) -> jax.Array:
+  """Softmax(q k^T / sqrt(head_dim)) v over [batch, length, heads, head_dim] arrays, with the probabilities
+  dropped out at `rate` under `seed` (two uint32 words: `Dropout.kernel_seed`); `key_valid` [batch, keys]
+  marks real keys. The kernels are interpreted where `interpret` says, by default on a CPU (Triton compiles
+  for GPUs only)."""
+  if not applies(q.shape[1], k.shape[1], q.shape[-1]):
+    raise ValueError(f"flash_dropout: lengths {q.shape[1]}, {k.shape[1]} must be multiples of {BLOCK} and "
+                     f"head_dim {q.shape[-1]} a power of 2 >= 16")
+  if rate > 0 and seed is None:
+    raise ValueError("flash_dropout: dropout needs a seed")
+  key_valid = (jnp.ones((k.shape[0], k.shape[1]), jnp.int32) if key_valid is None
+               else jnp.broadcast_to(key_valid, (k.shape[0], k.shape[1])).astype(jnp.int32))
+  seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
+  if interpret is None:
+    platform = jax.devices()[0].platform
+    if platform not in ("cpu", "gpu", "cuda"):
+      raise ValueError(f"attention_implementation='triton' runs on NVIDIA GPUs (interpreted on CPUs), not {platform}")
+    interpret = platform == "cpu"
+  return _attention(q, k, v, key_valid, seed, causal, float(rate), interpret)

@@ -1,0 +1,130 @@
+"""models/flash_dropout.py: the GPU attention kernels with probability dropout, run in Pallas's interpreter.
+
+Their values and gradients are checked against XLA's attention given the kernels' own keep-or-drop decisions
+(`keep_mask`), and the decisions' statistics over hundreds of thousands of elements against the rate. The
+kernels are also lowered for an NVIDIA GPU (to Triton's IR), which needs no GPU."""
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import flash_dropout
+
+
+def seed(n: int) -> jax.Array:
+  return jax.random.bits(jax.random.key(n), (2,), jnp.uint32)
+
+
+def reference(q, k, v, key_valid, causal, rate, kernel_seed):
+  """XLA's attention in fp32 with the kernels' decisions written out."""
+  batch, query_length, heads, head_dim = q.shape
+  key_length = k.shape[1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
+  allowed = key_valid[:, None, None, :] > 0
+  if causal:
+    allowed = allowed & jnp.tril(jnp.ones((query_length, key_length), bool))
+  probs = jax.nn.softmax(jnp.where(allowed, scores, flash_dropout.MASKED_SCORE), axis=-1)
+  if rate:
+    keep = flash_dropout.keep_mask(kernel_seed, (batch, heads, query_length, key_length), rate)
+    probs = jnp.where(keep, probs / (1 - rate), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(q.dtype), v)
+
+
+CASES = {  # name: (query length, key length, real key lengths, causal, rate)
+    "self-attention, no dropout": (128, 128, (128, 128), False, 0.0),
+    "padded keys, the recipe's dropout": (128, 192, (150, 192), False, 0.1),
+    "causal, heavy dropout": (128, 128, (128, 100), True, 0.3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_values_and_gradients_match_xla_with_the_same_decisions(case):
+  query_length, key_length, real, causal, rate = CASES[case]
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, length, 2, 32)), jnp.float32)
+             for length in (query_length, key_length, key_length))
+  key_valid = (jnp.arange(key_length)[None, :] < jnp.asarray(real)[:, None]).astype(jnp.int32)
+  weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+  kernel_seed = seed(3)
+
+  def loss(attend):
+    return lambda q, k, v: (attend(q, k, v) * weights).sum()
+
+  fused = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
+                                                  seed=kernel_seed)
+  ours, our_grads = jax.block_until_ready(jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 1, 2)))(q, k, v))
+  xla = lambda q, k, v: reference(q, k, v, key_valid, causal, rate, kernel_seed)
+  value, grads = jax.value_and_grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(ours, value, rtol=1e-5, atol=1e-4)
+  for our_grad, grad in zip(our_grads, grads):
+    np.testing.assert_allclose(our_grad, grad, rtol=1e-4, atol=1e-5)
+  if rate:  # the decisions mattered: without them the values differ
+    assert not np.allclose(ours, loss(lambda q, k, v: reference(q, k, v, key_valid, causal, 0.0, None))(q, k, v))
+
+
+def test_bf16_inputs_give_bf16_outputs_close_to_fp32():
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 128, 2, 64)), jnp.float32) for _ in range(3))
+  out = flash_dropout.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), rate=0.1, seed=seed(0))
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(out.astype(jnp.float32), flash_dropout.attention(q, k, v, rate=0.1, seed=seed(0)),
+                             atol=0.05)
+
+
+SHAPE = (4, 8, 128, 128)  # [batch, heads, q, k]: 524,288 decisions
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_decisions_keep_one_minus_rate_independently(rate):
+  keep = np.asarray(flash_dropout.keep_mask(seed(0), SHAPE, rate))
+  n = keep.size
+  tolerance = lambda p, count: 5 * np.sqrt(p * (1 - p) / count)  # five binomial standard deviations
+  assert abs(keep.mean() - (1 - rate)) < tolerance(1 - rate, n)
+  # Neighbours along keys and along queries, and the same element of neighbouring heads and batch rows: each
+  # pair is dropped together with probability rate**2 when the decisions are independent.
+  dropped = ~keep
+  for first, second in ((dropped[..., :-1], dropped[..., 1:]), (dropped[..., :-1, :], dropped[..., 1:, :]),
+                        (dropped[:, :-1], dropped[:, 1:]), (dropped[:-1], dropped[1:])):
+    both = (first & second).mean()
+    assert abs(both - rate**2) < tolerance(rate**2, first.size), both
+  # Every head of every row draws at the rate (no row is stuck).
+  per_row = keep.reshape(SHAPE[0] * SHAPE[1], -1).mean(axis=1)
+  assert np.all(np.abs(per_row - (1 - rate)) < tolerance(1 - rate, SHAPE[2] * SHAPE[3]))
+
+
+def test_seeds_and_devices_draw_different_decisions():
+  rate = 0.1
+  first, second = (np.asarray(flash_dropout.keep_mask(s, SHAPE, rate)) for s in (seed(0), seed(1)))
+  other_device = np.asarray(flash_dropout.keep_mask(flash_dropout.fold_in(seed(0), 1), SHAPE, rate))
+  agree = (1 - rate) ** 2 + rate**2  # two independent decisions agree this often
+  for other in (second, other_device):
+    assert abs((first == other).mean() - agree) < 5 * np.sqrt(agree * (1 - agree) / first.size)
+  np.testing.assert_array_equal(first, np.asarray(flash_dropout.keep_mask(seed(0), SHAPE, rate)))
+
+
+def test_kernels_lower_to_triton_for_an_nvidia_gpu():
+  shape = jax.ShapeDtypeStruct((4, 512, 16, 64), jnp.bfloat16)  # BERT-Large's attention at sequence 512
+
+  def grads(q, k, v, key_valid, kernel_seed):
+    attend = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, rate=0.1, seed=kernel_seed,
+                                                     interpret=False).astype(jnp.float32).sum()
+    return jax.grad(attend, argnums=(0, 1, 2))(q, k, v)
+
+  lowered = jax.jit(grads).trace(shape, shape, shape, jax.ShapeDtypeStruct((4, 512), jnp.int32),
+                                 jax.ShapeDtypeStruct((2,), jnp.uint32)).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert text.count("xla.gpu.triton") == 3
+  assert re.findall(r'name = "(\w+)", num_stages', text) == ["_forward_kernel", "_dkv_kernel", "_dq_kernel"]
+
+
+def test_shapes_the_kernels_do_not_tile_are_refused():
+  assert flash_dropout.applies(512, 512, 64) and not flash_dropout.applies(500, 512, 64)
+  assert not flash_dropout.applies(512, 512, 48) and not flash_dropout.applies(512, 512, 8)
+  q = jnp.zeros((1, 100, 2, 32))
+  with pytest.raises(ValueError, match="multiples of 64"):
+    flash_dropout.attention(q, q, q)
+  with pytest.raises(ValueError, match="needs a seed"):
+    flash_dropout.attention(jnp.zeros((1, 64, 2, 32)), jnp.zeros((1, 64, 2, 32)), jnp.zeros((1, 64, 2, 32)),
+                            rate=0.1)

@@ -1,0 +1,115 @@
+"""The GPU kernels of models/flash_dropout.py compiled for an NVIDIA GPU without one: registers, spills, shared memory.
+
+  python benchmarks/triton_offline.py --triton_python=PYTHON [--arch=90] [--batch=32] [--length=512] [--heads=16]
+
+JAX lowers the kernels' forward and backward (BERT-Large's attention by default: bf16, head_dim 64, the recipe's
+dropout 0.1) to Triton's IR on this machine, as it does for a GPU; then PYTHON, an interpreter with the `triton`
+package (`python -m venv /tmp/triton && /tmp/triton/bin/pip install triton`: about 1 GB, so not one of the
+project's dependencies), compiles each kernel to PTX for compute capability --arch (90: H100 and H200) with the
+warps and stages JAX would ask for, and Triton's ptxas assembles it. A kernel that fails here would fail on the
+GPU; one that spills registers would be slow there. Speed itself needs the GPU (benchmarks/train_step.py).
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Run by --triton_python: compile each IR file, assemble its PTX with ptxas -v, print one line per kernel.
+COMPILE = r"""
+import glob, json, os, subprocess, sys, triton
+from triton.backends.compiler import GPUTarget
+arch, directory = int(sys.argv[1]), sys.argv[2]
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ptxas = sorted(glob.glob(os.path.join(bin_dir, "ptxas*")))[-1]  # ptxas-blackwell reads the newest PTX
+for path in sorted(glob.glob(os.path.join(directory, "*.ttir"))):
+  options = json.load(open(path[:-5] + ".json"))
+  kernel = triton.compile(path, target=GPUTarget("cuda", arch, 32), options=options)
+  ptx = path[:-5] + ".ptx"
+  open(ptx, "w").write(kernel.asm["ptx"])
+  report = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx, "-o", ptx + ".cubin"], capture_output=True,
+                          text=True, check=True).stderr
+  print(json.dumps({"kernel": os.path.basename(path)[:-5], "shared_bytes": kernel.metadata.shared,
+                    "ptxas": report, **options}))
+"""
+
+
+def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, rate: float) -> None:
+  """Writes each Triton kernel of the attention's forward and backward as IR text (<name>.ttir) and the warps and
+  stages it asks for (<name>.json) into `directory`."""
+  import json
+
+  import jax
+  import jax.numpy as jnp
+  from jax._src.lib import triton as jaxlib_triton  # the Triton dialect jaxlib bundles, to print the IR
+  from jax._src.lib.mlir import ir
+
+  from models import flash_dropout
+
+  rows = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
+
+  def gradients(q, k, v, key_valid, seed):
+    attend = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, rate=rate, seed=seed,
+                                                     interpret=False).astype(jnp.float32).sum()
+    return jax.grad(attend, argnums=(0, 1, 2))(q, k, v)
+
+  lowered = jax.jit(gradients).trace(rows, rows, rows, jax.ShapeDtypeStruct((batch, length), jnp.int32),
+                                     jax.ShapeDtypeStruct((2,), jnp.uint32)).lower(lowering_platforms=("cuda",))
+  configs = []
+
+  def collect(operation):
+    for region in operation.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          if "mhlo.backend_config" in inner.attributes and "ir" in inner.attributes["mhlo.backend_config"]:
+            configs.append(inner.attributes["mhlo.backend_config"])
+          collect(inner)
+
+  collect(lowered.compiler_ir().operation)
+  for config in configs:
+    name = ir.StringAttr(config["name"]).value
+    with ir.Context() as context:
+      jaxlib_triton.dialect.register_dialect(context)
+      module = ir.Module.parse(bytes(ir.StringAttr(config["ir"]).value_bytes))
+      with open(os.path.join(directory, name + ".ttir"), "w") as f:
+        f.write(module.operation.get_asm(enable_debug_info=False))
+    with open(os.path.join(directory, name + ".json"), "w") as f:
+      json.dump({key: ir.IntegerAttr(config[key]).value for key in ("num_warps", "num_stages")}, f)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--triton_python", required=True, help="a Python interpreter that can import triton")
+  parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100, H200)")
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--length", type=int, default=512)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--head_dim", type=int, default=64)
+  parser.add_argument("--rate", type=float, default=0.1, help="attention dropout")
+  args = parser.parse_args(argv)
+  import json
+  with tempfile.TemporaryDirectory() as directory:
+    lower(directory, args.batch, args.length, args.heads, args.head_dim, args.rate)
+    done = subprocess.run([args.triton_python, "-c", COMPILE, str(args.arch), directory], capture_output=True,
+                          text=True)
+    if done.returncode:
+      print(f"triton_offline: compiling with {args.triton_python} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
+      return 1
+  print(f"flash_dropout at batch {args.batch}, length {args.length}, {args.heads} heads of {args.head_dim}, bf16, "
+        f"dropout {args.rate}; Triton -> sm_{args.arch}a")
+  print(f"{'kernel':<18}{'warps':>6}{'stages':>7}{'registers':>10}{'spilled bytes':>14}{'shared KiB':>11}")
+  for line in done.stdout.splitlines():
+    kernel = json.loads(line)
+    registers = re.search(r"Used (\d+) registers", kernel["ptxas"]).group(1)
+    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", kernel["ptxas"]))
+    print(f"{kernel['kernel']:<18}{kernel['num_warps']:>6}{kernel['num_stages']:>7}{registers:>10}{spilled:>14}"
+          f"{kernel['shared_bytes'] / 1024:>11.1f}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, REPO)
+  sys.exit(main())

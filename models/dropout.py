@@ -1,13 +1,18 @@
-"""Dropout, with two ways of drawing its masks (`DROPOUT_MASKS`), chosen per chip like attention.
+"""Dropout, with three ways of drawing its masks (`DROPOUT_MASKS`), chosen per chip like attention.
 
 - 'bernoulli': flax's nn.Dropout (jax.random.bernoulli): one threefry2x32 hash per element, which spends the
   hash's 64 random bits on one decision. XLA fuses the hash into each use of the mask, so no mask reaches
   memory: on a TPU that costs only vector-unit work, which the step's matrix products and HBM traffic hide.
 - 'packed': four 16-bit decisions from each hash (`keep_mask`), a quarter of the hashes. XLA then writes the
-  random words out and reads them back, 2 bytes an element: on the CPU the step is faster for it (BERT and
-  XLNet small, benchmarks/README.md), on a TPU slower by plan (XLNet-Large's one-layer step on a v3-8: 8% more
-  HBM traffic, and the masks copied to another layout; its compile twice as fast). On GPUs it is not measured
-  yet: `benchmarks/train_step.py --device=gpu --dropout_masks=bernoulli,packed` times both.
+  random words out and reads them back, 2 bytes an element: on a TPU slower by plan (XLNet-Large's one-layer
+  step on a v3-8: 8% more HBM traffic, and the masks copied to another layout; its compile twice as fast).
+- 'hashed': each decision from a hash of the element's index under a seed drawn from the key (`hashed_keeps`:
+  two rounds of MurmurHash3's 32-bit finaliser, about a fifth of threefry's integer operations per decision).
+  XLA fuses it into each use of the mask, as it does bernoulli's. The fastest on the CPU (BERT, XLNet and BART
+  small: 15%, 21% and 7% faster steps than bernoulli, 5%, 10% and 4% than packed; benchmarks/README.md); on a
+  TPU the same HBM traffic as bernoulli by plan, but XLNet's one-layer step compiled in 71 s against 38 s.
+  models/flash_dropout.py's GPU kernels make the same decisions inside the attention.
+On GPUs none is measured yet: `benchmarks/train_step.py --device=gpu --dropout_masks=bernoulli,packed,hashed`.
 """
 import math
 from typing import List, Sequence
@@ -18,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.random import threefry2x32_p
 
-DROPOUT_MASKS = ("auto", "bernoulli", "packed")
+DROPOUT_MASKS = ("auto", "bernoulli", "packed", "hashed")
 DECISION_BITS = 16  # random bits per keep-or-drop decision of a packed mask
 
 
 def masks_for_device(device) -> str:
-  """'packed' on CPUs, where the hashes are what a mask costs; 'bernoulli' on TPUs and GPUs (above)."""
-  return "packed" if device.platform == "cpu" else "bernoulli"
+  """'hashed' on CPUs, where the hashes are what a mask costs; 'bernoulli' on TPUs and GPUs (above)."""
+  return "hashed" if device.platform == "cpu" else "bernoulli"
 
 
 def keep_mask(key: jax.Array, rate: float, shape: Sequence[int]) -> jax.Array:
@@ -75,6 +80,39 @@ def _flat_index(shape: Sequence[int], axes: Sequence[int]) -> jax.Array:
   return index
 
 
+SPREAD = np.uint32(0x9E3779B9)  # odd: multiplying by it sends consecutive integers far apart before hashing
+
+
+def mix32(x: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser (uint32): every input bit flips each output bit with probability about 1/2."""
+  x = x ^ (x >> 16)
+  x = x * np.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * np.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def row_salt(seed, row: jax.Array) -> jax.Array:
+  """The 32-bit salt of a row of decisions (uint32 index) under a seed of two uint32 words (array or Pallas ref)."""
+  return mix32(seed[0] ^ mix32(row.astype(jnp.uint32) * SPREAD + seed[1]))
+
+
+def hashed_keeps(salt: jax.Array, index: jax.Array, rate: float) -> jax.Array:
+  """Keep-or-drop decisions of the elements at `index` (uint32) of the salt's row: True with probability
+  1 - rate, rounded to a multiple of 2**-32."""
+  bits = mix32(mix32(index.astype(jnp.uint32) ^ salt) + salt)
+  return bits >= np.uint32(min(round(rate * 2**32), 2**32 - 1))
+
+
+def hashed_keep_mask(seed: jax.Array, rate: float, shape: Sequence[int], row_axes: int) -> jax.Array:
+  """`hashed_keeps` over `shape`: a row per index of the leading `row_axes` axes, the element's row-major
+  index over the others within it (fewer than 2**32 elements)."""
+  if math.prod(shape[row_axes:]) >= 2**32:
+    raise ValueError(f"a hashed mask of shape {tuple(shape)} has rows of 2**32 elements or more")
+  rows, index = (_flat_index(shape, axes) for axes in (range(row_axes), range(row_axes, len(shape))))
+  return hashed_keeps(row_salt(seed, rows), index, rate)
+
+
 class Dropout(nn.Module):
   """nn.Dropout (the 'dropout' rng; kept elements scaled up by the kept fraction), its masks drawn as `masks`
   says; 'auto' (a model used outside a run's setup, which resolves it for the mesh's chip) by the default
@@ -93,6 +131,9 @@ class Dropout(nn.Module):
       return jnp.zeros_like(x)
     if masks == "packed":
       keep, kept = keep_mask(self.make_rng("dropout"), self.rate, x.shape), kept_fraction(self.rate)
+    elif masks == "hashed":  # rows over the leading axes until what is left fits a 32-bit index
+      row_axes = next(axes for axes in range(x.ndim + 1) if math.prod(x.shape[axes:]) < 2**32)
+      keep, kept = hashed_keep_mask(self.kernel_seed(), self.rate, x.shape, row_axes), 1.0 - self.rate
     else:  # as nn.Dropout draws it, at the same module path: the same masks
       keep, kept = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.rate, x.shape), 1.0 - self.rate
     return jax.lax.select(keep, x / kept, jnp.zeros_like(x))

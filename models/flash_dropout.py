@@ -3,7 +3,8 @@
 No fused attention in JAX's public API drops out attention probabilities (cuDNN's kernel can, underneath, with
 a seed fixed when the program compiles), so BERT's recipe (attention dropout 0.1) trained through XLA's
 attention, which writes out the [batch, heads, q, k] scores, probabilities and dropout masks of every layer.
-Here each keep-or-drop decision is a hash of the element's coordinates under the call's seed (`keep_mask`),
+Here each keep-or-drop decision is a hash of the element's coordinates under the call's seed (`keep_mask`;
+models/dropout.py's 'hashed' masks),
 so the forward pass makes it where it uses it and the backward pass makes the same one again: nothing
 score-sized reaches memory.
 
@@ -26,9 +27,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from models.dropout import SPREAD, hashed_keep_mask, hashed_keeps, mix32, row_salt
+
 BLOCK = 64  # queries and keys per tile, forward and backward: lengths must be multiples of it
 MASKED_SCORE = -1e30  # finite, so that a row with no valid key stays finite (uniform), as XLA's bias makes it
-SPREAD = np.uint32(0x9E3779B9)  # odd: multiplying by it sends consecutive integers far apart before hashing
 
 
 def applies(query_length: int, key_length: int, head_dim: int) -> bool:
@@ -37,47 +39,29 @@ def applies(query_length: int, key_length: int, head_dim: int) -> bool:
           and head_dim & (head_dim - 1) == 0)
 
 
-def _mix(x: jax.Array) -> jax.Array:
-  """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability about 1/2."""
-  x = x ^ (x >> 16)
-  x = x * np.uint32(0x85EBCA6B)
-  x = x ^ (x >> 13)
-  x = x * np.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
-
-
-def _row_salt(seed, row: jax.Array) -> jax.Array:
-  """A (batch, head) row's 32-bit salt under the call's two seed words."""
-  return _mix(seed[0] ^ _mix(row.astype(jnp.uint32) * SPREAD + seed[1]))
-
-
 def _program_salt(seed_ref, rate: float):
   """The salt of the (batch, head) row of this kernel program (grids are (block, batch, head)); None without
   dropout."""
-  return _row_salt(seed_ref, pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)) if rate > 0 else None
+  return row_salt(seed_ref, pl.program_id(1) * pl.num_programs(2) + pl.program_id(2)) if rate > 0 else None
 
 
-def _keeps(salt, query_positions, key_positions, key_length: int, rate: float) -> jax.Array:
-  """Keep-or-drop decisions of a tile: True with probability 1 - rate (rounded to 2**-32), from two rounds of
-  the hash over the element's index in its row, under the row's salt; None without one (no dropout)."""
+def _keeps(salt, query_positions, key_positions, key_length: int, rate: float):
+  """A tile's keep-or-drop decisions (dropout.hashed_keeps over the element's index in its (batch, head) row);
+  None without a salt (no dropout)."""
   if salt is None:
     return None
-  index = query_positions.astype(jnp.uint32) * np.uint32(key_length) + key_positions.astype(jnp.uint32)
-  bits = _mix(_mix(index ^ salt) + salt)
-  return bits >= np.uint32(min(round(rate * 2**32), 2**32 - 1))
+  return hashed_keeps(salt, query_positions.astype(jnp.uint32) * np.uint32(key_length)
+                      + key_positions.astype(jnp.uint32), rate)
 
 
 def keep_mask(seed: jax.Array, shape, rate: float) -> jax.Array:
   """The kernels' decisions for a [batch, heads, q, k] attention, written out (tests, and XLA's reference)."""
-  batch, heads, query_length, key_length = shape
-  rows = jnp.arange(batch * heads, dtype=jnp.uint32).reshape(batch, heads, 1, 1)
-  return _keeps(_row_salt(seed, rows), jnp.arange(query_length)[:, None], jnp.arange(key_length)[None, :],
-                key_length, rate)
+  return hashed_keep_mask(seed, rate, shape, row_axes=2)
 
 
 def fold_in(seed: jax.Array, index) -> jax.Array:
   """The seed of the `index`-th device of those that split a call's rows: each draws different masks."""
-  return jnp.stack([seed[0] ^ _mix(jnp.asarray(index, jnp.uint32) * SPREAD + np.uint32(1)), seed[1]])
+  return jnp.stack([seed[0] ^ mix32(jnp.asarray(index, jnp.uint32) * SPREAD + np.uint32(1)), seed[1]])
 
 
 def _scores(q, k, query_positions, key_positions, key_valid, scale: float, causal: bool):

@@ -150,7 +150,7 @@ def test_a_family_resolves_auto_for_the_chip_it_compiles_for_and_refuses_unknown
   on_tpu, on_cpu = family.for_device(device("tpu", "TPU v3")).config, family.for_device(device("cpu", "cpu")).config
   assert (on_gpu.attention_implementation, on_gpu.dropout_masks) == ("cudnn", "bernoulli")
   assert (on_tpu.attention_implementation, on_tpu.dropout_masks) == ("xla", "bernoulli")
-  assert (on_cpu.attention_implementation, on_cpu.dropout_masks) == ("xla", "packed")
+  assert (on_cpu.attention_implementation, on_cpu.dropout_masks) == ("xla", "hashed")
   chosen = dataclasses.replace(family, config=dataclasses.replace(family.config, dropout_masks="bernoulli"))
   assert chosen.for_device(device("cpu", "cpu")).config.dropout_masks == "bernoulli"  # a choice is kept
   for name, value in (("attention_implementation", "flash"), ("dropout_masks", "philox")):

@@ -1,6 +1,7 @@
 """models/dropout.py: packed masks keep each element with the configured probability, independently of
-the elements that share their random hash; the module scales what it keeps so that the mean is unchanged,
-and its 'bernoulli' masks are flax's own."""
+the elements that share their random hash; hashed masks keep it with that probability independently of their
+neighbours along every axis; the module scales what it keeps so that the mean is unchanged, and its 'bernoulli'
+masks are flax's own."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -55,13 +56,43 @@ def test_masks_differ_by_key_and_repeat_for_the_same_key():
   assert within_sigmas((first == other).mean(), 0.5, first.size)  # unrelated, not shifted copies
 
 
+def hashed(seed, rate, shape, row_axes):
+  return np.asarray(dropout.hashed_keep_mask(jax.random.bits(jax.random.key(seed), (2,), jnp.uint32), rate, shape,
+                                             row_axes))
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.3])
+def test_a_hashed_mask_keeps_the_configured_fraction_independently_along_every_axis(rate):
+  shape = (4, 8, 128, 128)  # 524,288 decisions, as the attention kernels draw them: a row per (batch, head)
+  kept = hashed(0, rate, shape, row_axes=2)
+  assert within_sigmas(kept.mean(), 1 - rate, kept.size)
+  # Neighbours along each axis (keys, queries, heads, batch rows) are dropped together as often as
+  # independent draws are: rate**2.
+  dropped = ~kept
+  for axis in range(4):
+    first, second = (np.take(dropped, range(start, shape[axis] - 1 + start), axis=axis) for start in (0, 1))
+    assert within_sigmas((first & second).mean(), rate**2, first.size), axis
+  per_row = kept.reshape(shape[0] * shape[1], -1).mean(axis=1)  # no row is stuck
+  assert all(within_sigmas(m, 1 - rate, shape[2] * shape[3]) for m in per_row)
+
+
+def test_hashed_masks_differ_by_seed_and_repeat_for_the_same_seed():
+  rate, shape = 0.1, (64, 4096)
+  first, again, other = (hashed(seed, rate, shape, row_axes=1) for seed in (0, 0, 1))
+  np.testing.assert_array_equal(first, again)
+  agree = (1 - rate) ** 2 + rate**2  # two independent decisions agree this often
+  assert within_sigmas((first == other).mean(), agree, first.size)
+  with pytest.raises(ValueError, match="rows of 2\\*\\*32"):
+    dropout.hashed_keep_mask(jnp.zeros(2, jnp.uint32), rate, (2, 2**16, 2**16), row_axes=1)
+
+
 def apply(module, x, seed=0, deterministic=False):
   return module.apply({}, x, deterministic=deterministic, rngs={"dropout": jax.random.PRNGKey(seed)})
 
 
 def test_the_module_keeps_the_mean_and_drops_nothing_when_deterministic():
   x = jax.random.normal(jax.random.key(0), (64, 32, 128))
-  for masks in ("bernoulli", "packed"):
+  for masks in ("bernoulli", "packed", "hashed"):
     module = dropout.Dropout(0.25, masks)
     np.testing.assert_array_equal(apply(module, x, deterministic=True), x)
     y = np.asarray(apply(module, x))
@@ -71,7 +102,8 @@ def test_the_module_keeps_the_mean_and_drops_nothing_when_deterministic():
     np.testing.assert_allclose(y[kept], np.asarray(x)[kept] / p, rtol=1e-6)  # the expectation is x
     assert not np.array_equal(y, apply(module, x, seed=1))
   ones = jnp.ones((256, 256), jnp.bfloat16)  # the mean of many kept-and-scaled ones is one
-  assert abs(float(apply(dropout.Dropout(0.1, "packed"), ones).astype(jnp.float32).mean()) - 1) < 0.01
+  for masks in ("packed", "hashed"):
+    assert abs(float(apply(dropout.Dropout(0.1, masks), ones).astype(jnp.float32).mean()) - 1) < 0.01
 
 
 def test_bernoulli_masks_are_flax_dropouts_own():

@@ -29,7 +29,7 @@ def test_the_step_benchmark_times_each_side_from_the_same_weights(capsys, monkey
   assert against and abs(float(against[1]) - float(rows[0][3]) * float(compiled[1]) / float(plain[1])) < 0.02
   losses = re.search(r"last losses " + ", ".join(re.escape(side) + r" ([\d.]+)" for side in sides), out)
   losses = [float(loss) for loss in losses.groups()]
-  # On a CPU 'auto' is XLA's attention and packed dropout masks: the same program, weights, batch and masks.
+  # On a CPU 'auto' is XLA's attention and hashed dropout masks: the same program, weights, batch and masks.
   assert losses[0] == losses[1] and losses[2] == losses[3]
   assert losses[0] != losses[2]  # other masks
   for loss in losses[:-2] + losses[-1:]:

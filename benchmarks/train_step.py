@@ -27,7 +27,7 @@ model drops them out in training (BERT: 0.1) our step runs XLA's attention for t
 
 `--prng_impl` lists the random-key implementations of our dropout to time side by side (JAX's default
 threefry2x32; rbg draws its bits with XLA's RngBitGenerator), and `--dropout_masks` the ways of drawing its
-masks (models/dropout.py: bernoulli, packed; auto is the chip's). `--hf_compile` adds transformers' model
+masks (models/dropout.py: bernoulli, packed, hashed; auto is the chip's). `--hf_compile` adds transformers' model
 under torch.compile as another peer (its first warm-up step compiles it; the ratios stay against the plain
 one, and a line gives ours against it). `--profile=N` then traces N steps of each of
 ours and prints their device time by model source, layers folded (pretrain.op_profile); `--profile_dir`

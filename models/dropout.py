@@ -139,6 +139,6 @@ class Dropout(nn.Module):
     return jax.lax.select(keep, x / kept, jnp.zeros_like(x))
 
   def kernel_seed(self) -> jax.Array:
-    """Two uint32 words from this module's 'dropout' rng, for a kernel that draws its own masks
+    """Two uint32 words from this module's 'dropout' rng: the seed of hashed masks, drawn here or inside a kernel
     (models/flash_dropout.py)."""
     return jax.random.bits(self.make_rng("dropout"), (2,), jnp.uint32)

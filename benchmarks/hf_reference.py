@@ -62,8 +62,10 @@ class AdamWSettings:
 
 
 def without_dropout(family):
-  """The family with every dropout rate of its model config at 0 (both models are then deterministic)."""
-  rates = {field.name: 0.0 for field in dataclasses.fields(family.config) if "dropout" in field.name}
+  """The family with every dropout rate of its model config at 0 (both models are then deterministic); other
+  dropout settings (how masks are drawn) stay."""
+  rates = {field.name: 0.0 for field in dataclasses.fields(family.config)
+           if "dropout" in field.name and isinstance(getattr(family.config, field.name), (int, float))}
   return dataclasses.replace(family, config=dataclasses.replace(family.config, **rates))
 
 

@@ -203,6 +203,18 @@ def attention_for_device(device) -> str:
   return "xla"
 
 
+def attention_refusal(implementation: str, device) -> Optional[str]:
+  """Why `device` cannot run `implementation`'s kernel, or None: cuDNN's needs an NVIDIA GPU, the Pallas TPU
+  kernels a TPU; Triton's needs an NVIDIA GPU, or a CPU, which interprets it (slowly: for tests)."""
+  nvidia = device.platform in ("gpu", "cuda") and "NVIDIA" in device.device_kind.upper()
+  needs = {"cudnn": ("an NVIDIA GPU", nvidia), "pallas": ("a TPU", device.platform == "tpu"),
+           "splash": ("a TPU", device.platform == "tpu"),
+           "triton": ("an NVIDIA GPU (or a CPU, interpreted)", nvidia or device.platform == "cpu")}
+  if implementation in needs and not needs[implementation][1]:
+    return f"needs {needs[implementation][0]}, not {device.device_kind}"
+  return None
+
+
 def fused_attention_applies(implementation: str, *, dtype, head_dim: int, query_length: int, key_length: int,
                             dropout_rate: float, deterministic: bool) -> bool:
   """Whether `implementation`'s kernel computes this attention as XLA's would (with probability dropout: the

@@ -66,6 +66,10 @@ class Family(abc.ABC):
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(known)}")
       if value == "auto":
         chosen[name] = for_device(device)
+    attention = chosen.get("attention_implementation", getattr(self.config, "attention_implementation", None))
+    refusal = attention and layers.attention_refusal(attention, device)
+    if refusal:
+      raise ConfigError(f"attention_implementation={attention!r} {refusal}")
     return dataclasses.replace(self, config=dataclasses.replace(self.config, **chosen)) if chosen else self
 
   def _fit_lengths(self, feature_lengths: Mapping[str, int]) -> "Family":

@@ -153,6 +153,14 @@ def test_a_family_resolves_auto_for_the_chip_it_compiles_for_and_refuses_unknown
   assert (on_cpu.attention_implementation, on_cpu.dropout_masks) == ("xla", "hashed")
   chosen = dataclasses.replace(family, config=dataclasses.replace(family.config, dropout_masks="bernoulli"))
   assert chosen.for_device(device("cpu", "cpu")).config.dropout_masks == "bernoulli"  # a choice is kept
+  for kernel, chip in (("cudnn", device("cpu", "cpu")), ("splash", device("gpu", "NVIDIA H100 80GB HBM3", "9.0")),
+                       ("triton", device("tpu", "TPU v4"))):  # a kernel the chip cannot run: one line, not a trace
+    with pytest.raises(ConfigError, match=f"attention_implementation='{kernel}' needs .*, not {chip.device_kind}"):
+      dataclasses.replace(family, config=dataclasses.replace(family.config, attention_implementation=kernel)
+                          ).for_device(chip)
+  triton_on_cpu = dataclasses.replace(family.config, attention_implementation="triton")
+  on_cpu = dataclasses.replace(family, config=triton_on_cpu).for_device(device("cpu", "cpu")).config
+  assert on_cpu.attention_implementation == "triton"
   for name, value in (("attention_implementation", "flash"), ("dropout_masks", "philox")):
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
       dataclasses.replace(family, config=dataclasses.replace(family.config, **{name: value})

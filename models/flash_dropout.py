@@ -78,6 +78,11 @@ def _dropped(probs, keep, rate: float):
   return probs if keep is None else jnp.where(keep, probs * (1.0 / (1.0 - rate)), 0.0)
 
 
+def _key_blocks_seen(causal: bool, key_length: int):
+  """How many key blocks a query block (this program's) may attend to: under a causal mask none past its own."""
+  return jnp.minimum(pl.program_id(0) + 1, key_length // BLOCK) if causal else key_length // BLOCK
+
+
 def _forward_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, causal, rate):
   key_length = k_ref.shape[0]
   salt = _program_salt(seed_ref, rate)
@@ -99,7 +104,7 @@ def _forward_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, out_ref, lse_r
 
   start = (jnp.zeros((BLOCK, q.shape[-1]), jnp.float32), jnp.full((BLOCK,), -jnp.inf, jnp.float32),
            jnp.zeros((BLOCK,), jnp.float32))
-  acc, running_max, normaliser = jax.lax.fori_loop(0, key_length // BLOCK, step, start)
+  acc, running_max, normaliser = jax.lax.fori_loop(0, _key_blocks_seen(causal, key_length), step, start)
   out_ref[...] = (acc / normaliser[:, None]).astype(out_ref.dtype)
   lse_ref[...] = running_max + jnp.log(normaliser)
 
@@ -133,7 +138,8 @@ def _dkv_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref
     return dk, dv
 
   zeros = jnp.zeros((BLOCK, k.shape[-1]), jnp.float32)
-  dk, dv = jax.lax.fori_loop(0, query_length // BLOCK, step, (zeros, zeros))
+  first = pl.program_id(0) if causal else 0  # under a causal mask, earlier query blocks never see this one
+  dk, dv = jax.lax.fori_loop(first, query_length // BLOCK, step, (zeros, zeros))
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -153,7 +159,7 @@ def _dq_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref,
                                   scale=scale, causal=causal, rate=rate)
     return dq + plt.dot(d_scores.astype(k.dtype), k)
 
-  dq = jax.lax.fori_loop(0, key_length // BLOCK, step, jnp.zeros((BLOCK, q.shape[-1]), jnp.float32))
+  dq = jax.lax.fori_loop(0, _key_blocks_seen(causal, key_length), step, jnp.zeros((BLOCK, q.shape[-1]), jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 

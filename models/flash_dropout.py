@@ -4,9 +4,8 @@ No fused attention in JAX's public API drops out attention probabilities (cuDNN'
 a seed fixed when the program compiles), so BERT's recipe (attention dropout 0.1) trained through XLA's
 attention, which writes out the [batch, heads, q, k] scores, probabilities and dropout masks of every layer.
 Here each keep-or-drop decision is a hash of the element's coordinates under the call's seed (`keep_mask`;
-models/dropout.py's 'hashed' masks),
-so the forward pass makes it where it uses it and the backward pass makes the same one again: nothing
-score-sized reaches memory.
+models/dropout.py's 'hashed' masks), so the forward pass makes it where it uses it and the backward pass makes
+the same one again: nothing score-sized reaches memory.
 
 - Forward: per block of queries, one pass over the keys (FlashAttention-2): the running max and normaliser
   of the softmax from the undropped probabilities, the output from the kept ones scaled by 1 / (1 - rate);

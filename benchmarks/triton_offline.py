@@ -1,6 +1,7 @@
 """The GPU kernels of models/flash_dropout.py compiled for an NVIDIA GPU without one: registers, spills, shared memory.
 
   python benchmarks/triton_offline.py --triton_python=PYTHON [--arch=90] [--batch=32] [--length=512] [--heads=16]
+      [--head_dim=64] [--rate=0.1] [--causal]
 
 JAX lowers the kernels' forward and backward (BERT-Large's attention by default: bf16, head_dim 64, the recipe's
 dropout 0.1) to Triton's IR on this machine, as it does for a GPU; then PYTHON, an interpreter with the `triton`
@@ -37,7 +38,8 @@ for path in sorted(glob.glob(os.path.join(directory, "*.ttir"))):
 """
 
 
-def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, rate: float) -> None:
+def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, rate: float, causal: bool = False
+          ) -> None:
   """Writes each Triton kernel of the attention's forward and backward as IR text (<name>.ttir) and the warps and
   stages it asks for (<name>.json) into `directory`."""
   import json
@@ -52,8 +54,8 @@ def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, ra
   rows = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
 
   def gradients(q, k, v, key_valid, seed):
-    attend = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, rate=rate, seed=seed,
-                                                     interpret=False).astype(jnp.float32).sum()
+    attend = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
+                                                     seed=seed, interpret=False).astype(jnp.float32).sum()
     return jax.grad(attend, argnums=(0, 1, 2))(q, k, v)
 
   lowered = jax.jit(gradients).trace(rows, rows, rows, jax.ShapeDtypeStruct((batch, length), jnp.int32),
@@ -89,17 +91,18 @@ def main(argv=None) -> int:
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--rate", type=float, default=0.1, help="attention dropout")
+  parser.add_argument("--causal", action="store_true", help="a causal mask (a decoder's self-attention)")
   args = parser.parse_args(argv)
   import json
   with tempfile.TemporaryDirectory() as directory:
-    lower(directory, args.batch, args.length, args.heads, args.head_dim, args.rate)
+    lower(directory, args.batch, args.length, args.heads, args.head_dim, args.rate, args.causal)
     done = subprocess.run([args.triton_python, "-c", COMPILE, str(args.arch), directory], capture_output=True,
                           text=True)
     if done.returncode:
       print(f"triton_offline: compiling with {args.triton_python} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
       return 1
   print(f"flash_dropout at batch {args.batch}, length {args.length}, {args.heads} heads of {args.head_dim}, bf16, "
-        f"dropout {args.rate}; Triton -> sm_{args.arch}a")
+        f"dropout {args.rate}{', causal' if args.causal else ''}; Triton -> sm_{args.arch}a")
   print(f"{'kernel':<18}{'warps':>6}{'stages':>7}{'registers':>10}{'spilled bytes':>14}{'shared KiB':>11}")
   for line in done.stdout.splitlines():
     kernel = json.loads(line)

@@ -10,9 +10,9 @@ weighted sum of the output), in training mode: with the probabilities dropped ou
 A kernel that takes no dropout (cudnn) is timed at rate 0 only; at --rate XLA's attention would run in its place.
 Prints each one's median milliseconds per forward and backward, interleaved, XLA's temporary memory of the
 compiled program, and for Triton's kernel the largest error of its output and gradients against XLA's attention
-in fp32 given the kernel's own keep-or-drop decisions (`flash_dropout.keep_mask`), relative to the largest value.
-On a GPU this is what decides whether the kernel is right there and how much of BERT-Large's step it can save;
-benchmarks/train_step.py times whole steps.
+in fp32 given the kernel's own keep-or-drop decisions (`flash_dropout.reference_attention`), relative to the
+largest value. On a GPU this is what decides whether the kernel is right there and how much of BERT-Large's
+step it can save; benchmarks/train_step.py times whole steps.
 """
 import argparse
 import os
@@ -75,21 +75,11 @@ def triton_error(qkv, weights, mask, rate: float) -> float:
   relative to the largest magnitude of each."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
 
   from models import flash_dropout
   seed = jax.random.bits(jax.random.key(1), (2,), jnp.uint32)
   key_valid = mask.key_valid.astype(jnp.int32)
-
-  def reference(q, k, v):
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
-    probs = jax.nn.softmax(jnp.where(key_valid[:, None, None, :] > 0, scores, flash_dropout.MASKED_SCORE), axis=-1)
-    if rate:
-      keep = flash_dropout.keep_mask(seed, probs.shape, rate)
-      probs = jnp.where(keep, probs / (1 - rate), 0.0)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
+  reference = lambda q, k, v: flash_dropout.reference_attention(q, k, v, key_valid=key_valid, rate=rate, seed=seed)
   kernel = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, rate=rate, seed=seed)
   rows = mask.query_valid[:, :, None, None].astype(jnp.float32)  # padded queries' outputs are read by nobody
 

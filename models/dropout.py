@@ -62,13 +62,16 @@ def _dropped_values(rate: float) -> int:
 def _threefry_words(shape: Sequence[int], key_data: jax.Array) -> List[jax.Array]:
   """Both 32-bit outputs of threefry2x32 under the key, over one counter pair per element of `shape`: its
   row-major index over the leading axes and over the rest (split where each fits in 32 bits)."""
-  split = len(shape)
-  while split > 0 and math.prod(shape[split - 1:]) < 2**32:
-    split -= 1
+  split = fewest_row_axes(shape)
   if math.prod(shape[:split]) >= 2**32:
     raise ValueError(f"a dropout mask of shape {tuple(shape)} has more elements than threefry's 64-bit counter")
   counters = [_flat_index(shape, axes) for axes in (range(split), range(split, len(shape)))]
   return list(threefry2x32_p.bind(key_data[0], key_data[1], *counters))
+
+
+def fewest_row_axes(shape: Sequence[int]) -> int:
+  """How many leading axes of `shape` index rows so that a row's elements have a 32-bit index: the fewest."""
+  return next(axes for axes in range(len(shape) + 1) if math.prod(shape[axes:]) < 2**32)
 
 
 def _flat_index(shape: Sequence[int], axes: Sequence[int]) -> jax.Array:
@@ -131,14 +134,14 @@ class Dropout(nn.Module):
       return jnp.zeros_like(x)
     if masks == "packed":
       keep, kept = keep_mask(self.make_rng("dropout"), self.rate, x.shape), kept_fraction(self.rate)
-    elif masks == "hashed":  # rows over the leading axes until what is left fits a 32-bit index
-      row_axes = next(axes for axes in range(x.ndim + 1) if math.prod(x.shape[axes:]) < 2**32)
-      keep, kept = hashed_keep_mask(self.kernel_seed(), self.rate, x.shape, row_axes), 1.0 - self.rate
+    elif masks == "hashed":
+      keep = hashed_keep_mask(self.hash_seed(), self.rate, x.shape, fewest_row_axes(x.shape))
+      kept = 1.0 - self.rate
     else:  # as nn.Dropout draws it, at the same module path: the same masks
       keep, kept = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.rate, x.shape), 1.0 - self.rate
     return jax.lax.select(keep, x / kept, jnp.zeros_like(x))
 
-  def kernel_seed(self) -> jax.Array:
+  def hash_seed(self) -> jax.Array:
     """Two uint32 words from this module's 'dropout' rng: the seed of hashed masks, drawn here or inside a kernel
     (models/flash_dropout.py)."""
     return jax.random.bits(self.make_rng("dropout"), (2,), jnp.uint32)

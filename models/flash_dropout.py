@@ -54,8 +54,23 @@ def _keeps(salt, query_positions, key_positions, key_length: int, rate: float):
 
 
 def keep_mask(seed: jax.Array, shape, rate: float) -> jax.Array:
-  """The kernels' decisions for a [batch, heads, q, k] attention, written out (tests, and XLA's reference)."""
+  """The kernels' decisions for a [batch, heads, q, k] attention, written out (for `reference_attention`)."""
   return hashed_keep_mask(seed, rate, shape, row_axes=2)
+
+
+def reference_attention(q, k, v, *, key_valid, causal: bool = False, rate: float = 0.0, seed=None) -> jax.Array:
+  """What `attention` computes, by XLA in fp32 with the kernels' decisions written out: to check the kernels
+  against (tests, benchmarks/attention.py)."""
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  query_length, key_length = q.shape[1], k.shape[1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+  allowed = key_valid[:, None, None, :] > 0
+  if causal:
+    allowed = allowed & jnp.tril(jnp.ones((query_length, key_length), bool))
+  probs = jax.nn.softmax(jnp.where(allowed, scores, MASKED_SCORE), axis=-1)
+  if rate:
+    probs = jnp.where(keep_mask(seed, probs.shape, rate), probs / (1 - rate), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def fold_in(seed: jax.Array, index) -> jax.Array:
@@ -228,7 +243,7 @@ _attention.defvjp(_attention_forward, _attention_backward)
 def attention(q, k, v, *, key_valid=None, causal: bool = False, rate: float = 0.0, seed=None,
               interpret=None) -> jax.Array:
   """Softmax(q k^T / sqrt(head_dim)) v over [batch, length, heads, head_dim] arrays, with the probabilities
-  dropped out at `rate` under `seed` (two uint32 words: `Dropout.kernel_seed`); `key_valid` [batch, keys]
+  dropped out at `rate` under `seed` (two uint32 words: `Dropout.hash_seed`); `key_valid` [batch, keys]
   marks real keys. The kernels are interpreted where `interpret` says, by default on a CPU (Triton compiles
   for GPUs only)."""
   if not applies(q.shape[1], k.shape[1], q.shape[-1]):
@@ -239,9 +254,6 @@ def attention(q, k, v, *, key_valid=None, causal: bool = False, rate: float = 0.
   key_valid = (jnp.ones((k.shape[0], k.shape[1]), jnp.int32) if key_valid is None
                else jnp.broadcast_to(key_valid, (k.shape[0], k.shape[1])).astype(jnp.int32))
   seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
-  if interpret is None:
-    platform = jax.devices()[0].platform
-    if platform not in ("cpu", "gpu", "cuda"):
-      raise ValueError(f"attention_implementation='triton' runs on NVIDIA GPUs (interpreted on CPUs), not {platform}")
-    interpret = platform == "cpu"
+  if interpret is None:  # a chip that runs neither is refused earlier, by layers.attention_refusal
+    interpret = jax.devices()[0].platform == "cpu"
   return _attention(q, k, v, key_valid, seed, causal, float(rate), interpret)

@@ -243,7 +243,7 @@ def dot_product_attention(query, key, value, mask: AttentionMask, *, implementat
                              key_length=key_length, dropout_rate=dropout.rate, deterministic=deterministic):
     if implementation == "triton":
       return _triton_attention(query, key, value, mask, 0.0 if deterministic else dropout.rate,
-                               None if deterministic or dropout.rate == 0 else dropout.kernel_seed())
+                               None if deterministic or dropout.rate == 0 else dropout.hash_seed())
     fused = {"cudnn": _cudnn_attention, "pallas": _pallas_attention, "splash": _splash_attention}[implementation]
     return fused(query, key, value, mask)
   query = query / jnp.sqrt(head_dim).astype(query.dtype)

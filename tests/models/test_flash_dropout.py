@@ -1,7 +1,8 @@
 """models/flash_dropout.py: the GPU attention kernels with probability dropout, run in Pallas's interpreter.
 
 Their values and gradients are checked against XLA's attention given the kernels' own keep-or-drop decisions
-(`keep_mask`: models/dropout.py's hashed masks, whose statistics tests/models/test_dropout.py measures). The
+(`reference_attention`, with models/dropout.py's hashed masks, whose statistics tests/models/test_dropout.py
+measures). The
 kernels are also lowered for an NVIDIA GPU (to Triton's IR), which needs no GPU."""
 import json
 import runpy
@@ -16,21 +17,6 @@ from models import flash_dropout
 
 def seed(n: int) -> jax.Array:
   return jax.random.bits(jax.random.key(n), (2,), jnp.uint32)
-
-
-def reference(q, k, v, key_valid, causal, rate, kernel_seed):
-  """XLA's attention in fp32 with the kernels' decisions written out."""
-  batch, query_length, heads, head_dim = q.shape
-  key_length = k.shape[1]
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(head_dim)
-  allowed = key_valid[:, None, None, :] > 0
-  if causal:
-    allowed = allowed & jnp.tril(jnp.ones((query_length, key_length), bool))
-  probs = jax.nn.softmax(jnp.where(allowed, scores, flash_dropout.MASKED_SCORE), axis=-1)
-  if rate:
-    keep = flash_dropout.keep_mask(kernel_seed, (batch, heads, query_length, key_length), rate)
-    probs = jnp.where(keep, probs / (1 - rate), 0.0)
-  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(q.dtype), v)
 
 
 CASES = {  # name: (query length, key length, real key lengths, causal, rate)
@@ -56,13 +42,15 @@ def test_values_and_gradients_match_xla_with_the_same_decisions(case):
   fused = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
                                                   seed=kernel_seed)
   ours, our_grads = jax.block_until_ready(jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 1, 2)))(q, k, v))
-  xla = lambda q, k, v: reference(q, k, v, key_valid, causal, rate, kernel_seed)
+  xla = lambda q, k, v: flash_dropout.reference_attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
+                                                          seed=kernel_seed)
   value, grads = jax.value_and_grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
   np.testing.assert_allclose(ours, value, rtol=1e-5, atol=1e-4)
   for our_grad, grad in zip(our_grads, grads):
     np.testing.assert_allclose(our_grad, grad, rtol=1e-4, atol=1e-5)
   if rate:  # the decisions mattered: without them the values differ
-    assert not np.allclose(ours, loss(lambda q, k, v: reference(q, k, v, key_valid, causal, 0.0, None))(q, k, v))
+    undropped = lambda q, k, v: flash_dropout.reference_attention(q, k, v, key_valid=key_valid, causal=causal)
+    assert not np.allclose(ours, loss(undropped)(q, k, v))
 
 
 def test_bf16_inputs_give_bf16_outputs_close_to_fp32():

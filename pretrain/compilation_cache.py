@@ -42,6 +42,10 @@ class Compiles:
   directory: Optional[str]
   requested: int = 0
   loaded: int = 0
+  untraced: int = 0  # of those loaded, how many without tracing them (the train step: pretrain.step_cache)
+
+  def loaded_untraced(self) -> None:
+    self.requested, self.loaded, self.untraced = self.requested + 1, self.loaded + 1, self.untraced + 1
 
   @property
   def compiled(self) -> int:
@@ -50,10 +54,11 @@ class Compiles:
   def line(self) -> str:
     if self.directory is None:
       return f"no compilation cache (COMPILATION_CACHE_DIR={OFF!r}): {self.compiled} programs compiled"
+    untraced = f" ({self.untraced} untraced)" if self.untraced else ""
     if not self.compiled:
-      return f"compilation cache {self.directory}: all {self.loaded} programs loaded, nothing compiled"
-    return (f"compilation cache {self.directory}: {self.loaded} programs loaded, {self.compiled} compiled "
-            "and cached")
+      return f"compilation cache {self.directory}: all {self.loaded} programs loaded{untraced}, nothing compiled"
+    return (f"compilation cache {self.directory}: {self.loaded} programs loaded{untraced}, {self.compiled} "
+            "compiled and cached")
 
 
 @contextlib.contextmanager

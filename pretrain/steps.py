@@ -55,10 +55,12 @@ class Setup:
   _abstract_state: Optional[TrainState] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   def abstract_state(self) -> TrainState:
-    # Once per setup: tracing the init costs seconds, and a start asks for it to restore and to compile.
-    with MODEL_TRACING:
-      if self._abstract_state is None:
-        self._abstract_state = jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
+    # make_setup fills it in; a Setup changed by dataclasses.replace traces it once. The lock only while tracing:
+    # a restore must not wait for the train step's trace in the thread beside it.
+    if self._abstract_state is None:
+      with MODEL_TRACING:
+        if self._abstract_state is None:
+          self._abstract_state = jax.eval_shape(lambda: self.init_state(jax.random.PRNGKey(0)))
     return self._abstract_state
 
   def sharded_abstract_state(self) -> TrainState:
@@ -168,7 +170,9 @@ def make_setup(family: Family, feature_lengths: Mapping[str, int], batch_size: i
       {k: PartitionSpec(*axes) for k, axes in family.carry_axes().items()}, mesh, rules)
   state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated,
                                carry=carry_shardings)
-  return Setup(family, model, optimizer, schedule, mesh, rules, state_shardings, batch_shapes, microbatches)
+  setup = Setup(family, model, optimizer, schedule, mesh, rules, state_shardings, batch_shapes, microbatches)
+  setup._abstract_state = jax.eval_shape(setup.state_around, nn.unbox(boxed), key)  # the model traced once, above
+  return setup
 
 
 def tokens_per_batch(batch_size: int, feature_lengths: Mapping[str, int]) -> int:

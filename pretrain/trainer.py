@@ -15,7 +15,7 @@ from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
 from pretrain import (checkpoints, compilation_cache, goodput_events, lease, optimizers, partitioning, run_files,
-                      signals, steps)
+                      signals, step_cache, steps)
 from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
@@ -198,8 +198,9 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   examples and tokens per second, MFU and the share of time spent waiting for input. The next batch is
   put on the devices while a step runs. `profile_steps` (first, last): a trace of those steps in
   MODEL_DIR/profile (`pretrain.profiling`). Compiled programs are cached in `compilation_cache_dir`
-  (`pretrain.compilation_cache`; default MODEL_DIR/compilation_cache), and a line after start-up says how
-  many were loaded from it and how many compiled. Process 0 records where the start's time goes in
+  (`pretrain.compilation_cache`; default MODEL_DIR/compilation_cache), the train step also under what it is
+  made of, so that a start that finds it does not trace it (`pretrain.step_cache`); a line after start-up says
+  how many were loaded from the cache and how many compiled. Process 0 records where the start's time goes in
   MODEL_DIR/goodput.jsonl (`pretrain.goodput_events`; `python -m pretrain.goodput` reports).
   Returns a summary: first and last logged loss, the step reached, whether it was preempted, the
   checkpoint directory, the programs the run `compiled` and `loaded` from the compilation cache, and
@@ -236,7 +237,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
 
     def compile_beside(step_loaded: int) -> None:
       if step_loaded < train_steps and not compiling:
-        compiling.append(_Background(lambda: steps.lower_train_step(setup).compile(), name="train-step-compile"))
+        compiling.append(_Background(lambda: step_cache.compiled_train_step(
+            setup, compiles.directory, write=jax.process_index() == 0, warn=say), name="train-step-compile"))
 
     signals.at("restoring or initializing the train state (the train step compiles meanwhile)")
     state_began = time.time()
@@ -271,7 +273,9 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       first_batch = _Background(lambda: next(train_iterator), name="first-batch")
       signals.at("compiling the train step")
       waited = time.time()
-      step_fn = compiling[0].result()
+      step_fn, untraced = compiling[0].result()
+      if untraced:
+        compiles.loaded_untraced()
       events.record("compile", what="train_step", seconds=time.time() - waited, overall_seconds=compiling[0].seconds)
       profiler.use_program(step_fn)
       signals.at("waiting for the first batch")

@@ -121,6 +121,22 @@ def train(run_name, model_dir, steps, bindings=(), gin_files=()):
   return trainer.train(**cli.bound_arguments(trainer.train))
 
 
+def step_cache_key(*bindings) -> str:
+  """`pretrain.step_cache.key` of the tiny BERT demo's train step at SMALL_BERT's sizes with `bindings`, fitted
+  to a 1000-piece vocabulary (no data read)."""
+  import gin
+
+  from pretrain import cli, partitioning, roofline, step_cache, steps, trainer
+  gin.clear_config()
+  cli.parse_gin(["gin_configs/runs/bert_tiny_demo.gin"], [*SMALL_BERT, *bindings])
+  args = cli.bound_arguments(trainer.train, roofline.STEP_ARGUMENTS)
+  family = args["family"].fitted(1000, args["task_feature_lengths"])
+  setup = steps.make_setup(family, args["task_feature_lengths"], args["batch_size"],
+                           partitioning.make_mesh(args["mesh_shape"]), args["optimizer"], args["schedule"],
+                           args["microbatches"])
+  return step_cache.key(setup)
+
+
 def run_train(capsys, tmp_path, *args):
   """(exit code, last stderr line) of `python -m pretrain.train args` (MODEL_DIR tmp_path unless given),
   run in this process: for runs that fail before training."""

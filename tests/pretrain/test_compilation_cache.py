@@ -1,12 +1,14 @@
-"""The persistent compilation cache (`pretrain.compilation_cache`): a resumed run compiles nothing, a changed
-setting compiles and caches its own programs, on local disk and on Cloud Storage, and a damaged entry is
-compiled again with a warning. Counted with JAX's compile and cache-hit events, not timed."""
+"""The persistent compilation cache (`pretrain.compilation_cache`) and the train step's cache beside it
+(`pretrain.step_cache`): a resumed run compiles nothing and does not trace its train step, a changed setting
+compiles and caches its own programs, on local disk and on Cloud Storage, and a damaged entry is compiled again
+with a warning. Counted with JAX's compile and cache-hit events and the train step's traces, not timed."""
 import shutil
 
 import jax
 import pytest
 
-from helpers import SMALL_BERT, train
+from helpers import SMALL_BERT, flip_a_bit, train
+from pretrain import step_cache, steps
 
 pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
 
@@ -19,6 +21,18 @@ def cached_run(model_dir, cache, steps: int, *bindings):
   return train("bert_tiny_demo", model_dir, steps, SMALL_BERT + [f"COMPILATION_CACHE_DIR = '{cache}'", *bindings])
 
 
+@pytest.fixture
+def step_traces(monkeypatch):
+  """The train steps traced from here on (each `steps.lower_train_step` call traces one)."""
+  traced, lower = [], steps.lower_train_step
+
+  def counted(setup):
+    traced.append(setup)
+    return lower(setup)
+  monkeypatch.setattr(steps, "lower_train_step", counted)
+  return traced
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
   """(root, summary) of a 2-step run with an empty cache in root/cache; its MODEL_DIR is root/run."""
@@ -26,15 +40,42 @@ def first_run(tmp_path_factory):
   return root, cached_run(root / "run", root / "cache", 2)
 
 
-def test_a_resumed_run_loads_every_program_and_says_so(first_run, capsys):
+def step_entries(cache):
+  return sorted(p.name for p in (cache / step_cache.SUBDIRECTORY).iterdir())
+
+
+def test_a_resumed_run_loads_every_program_untraced_and_says_so(first_run, step_traces, capsys):
   root, first = first_run
   assert first["compiled"] > 0 and first["loaded"] == 0, first
   assert len(list((root / "cache").glob(CACHE_ENTRY))) == first["compiled"]
+  assert len(step_entries(root / "cache")) == 1
   capsys.readouterr()
   resumed = cached_run(root / "run", root / "cache", 4)
   assert resumed["steps"] == 4 and resumed["compiled"] == 0 and resumed["loaded"] > 0, resumed
-  assert f"compilation cache {root / 'cache'}: all {resumed['loaded']} programs loaded, nothing compiled" in (
-      capsys.readouterr().out)
+  assert f"compilation cache {root / 'cache'}: all {resumed['loaded']} programs loaded (1 untraced), nothing " \
+         "compiled" in capsys.readouterr().out
+  assert step_traces == []
+
+
+@pytest.mark.parametrize("damage", ["flipped", "partial"])
+def test_a_damaged_train_step_entry_is_traced_and_compiled_with_a_warning(first_run, damage, step_traces, tmp_path,
+                                                                          capsys):
+  root, first = first_run
+  shutil.copytree(root / "cache", tmp_path / "cache")
+  entry = tmp_path / "cache" / step_cache.SUBDIRECTORY / step_entries(root / "cache")[0]
+  if damage == "flipped":
+    flip_a_bit(entry)
+  else:
+    entry.write_bytes(entry.read_bytes()[:entry.stat().st_size // 2])
+  capsys.readouterr()
+  again = cached_run(tmp_path / "run", tmp_path / "cache", 2)
+  out = capsys.readouterr().out
+  assert f"ignoring the cached train step {entry}: its checksum does not match" in out, out
+  assert "could not keep" not in out, out
+  assert len(step_traces) == 1 and again["steps"] == 2
+  assert again["compiled"] == 0, again  # JAX's cache, keyed by the traced program, serves its compile
+  jax.clear_caches()
+  assert step_cache._load(entry, step_traces[0], warn=pytest.fail) is not None  # kept whole again
 
 
 def test_a_damaged_entry_is_compiled_again_with_a_warning(first_run, tmp_path):
@@ -58,4 +99,16 @@ def test_on_cloud_storage_a_changed_setting_compiles_what_changed_and_loads_the_
     gcs.put_file(str(entry), f"{cache}/{entry.name}")
   changed = cached_run(f"{gcs_bucket}/changed", cache, 2, "LEARNING_RATE = 1e-3")
   assert changed["compiled"] > 0 and changed["loaded"] > 0, changed  # the steps changed; the init did not
-  assert len(gcs.ls(cache)) == first["compiled"] + changed["compiled"]
+  assert len(gcs.glob(f"{cache}/{CACHE_ENTRY}")) == first["compiled"] + changed["compiled"]
+  kept = gcs.ls(f"{cache}/{step_cache.SUBDIRECTORY}")
+  assert len(kept) == 1 and kept[0].rsplit("/", 1)[1] not in step_entries(root / "cache")
+
+
+def test_on_cloud_storage_a_resumed_run_loads_its_train_step_untraced(first_run, gcs_bucket, step_traces):
+  import fsspec
+  root, _ = first_run
+  gcs, cache = fsspec.filesystem("gs"), f"{gcs_bucket}/resumed_cache"
+  gcs.put(str(root / "cache"), cache, recursive=True)
+  cached_run(f"{gcs_bucket}/resumed", cache, 1)
+  resumed = cached_run(f"{gcs_bucket}/resumed", cache, 2)
+  assert resumed["steps"] == 2 and resumed["compiled"] == 0 and len(step_traces) == 0, resumed

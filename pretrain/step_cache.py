@@ -1,0 +1,135 @@
+"""The compiled train step, kept under what it is made of: a start that finds it skips tracing the model.
+
+JAX's persistent cache (`pretrain.compilation_cache`) keys an executable by its lowered program, so a start
+must trace and lower the train step before it can look it up: with unrolled layers that is most of a cached
+start's compile (BERT-base on a CPU: 2 s of Python, beside the restore). This cache keys the step by what the
+program is made of instead:
+- this code: every source file of models/, pretrain/ and data_pipelines/;
+- the versions of JAX, jaxlib, Flax, optax and NumPy; JAX's settings; XLA_FLAGS and LIBTPU_INIT_ARGS;
+- the devices (platform, its version, kind) and the mesh's order of them; the process count;
+- the family with its model config, the axis rules, the microbatches, and the state's and a batch's shapes,
+  dtypes and shardings;
+- the optimizer's update and the schedule as JAX traces them for the state's shapes (not the model: their
+  hyperparameters are constants in what they trace).
+Any change to these misses: the step is traced and compiled as before (through JAX's cache) and kept again.
+
+Entries are COMPILATION_CACHE_DIR/train_step/<key> (local or gs://; 'none' turns this off with JAX's cache).
+Process 0 writes them. Each holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a
+warning, and the step is compiled. Loading an executable runs code from it, as JAX's own cache does: keep the
+cache where only your runs write.
+"""
+import functools
+import hashlib
+import importlib.metadata
+import os
+import pickle
+import re
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from etils import epath
+from jax.experimental import serialize_executable
+
+from pretrain import steps
+
+SUBDIRECTORY = "train_step"
+_HEADER = b"pod-pretrain train step\n"
+CHECKOUT = Path(__file__).resolve().parents[1]
+PACKAGES = ("models", "pretrain", "data_pipelines")
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy")
+_ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_WHERE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_")  # where programs are kept, not what they are
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # a function's repr: another per process
+
+
+def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], write: bool,
+                        warn: Callable[[str], None]) -> Tuple[jax.stages.Compiled, bool]:
+  """The train step compiled for `setup`, and whether it came from the cache in `cache_directory` (None: no
+  cache) untraced. `write`: keep a step compiled here (process 0). Problems with an entry go to `warn`."""
+  if cache_directory is None:
+    return steps.lower_train_step(setup).compile(), False
+  path = epath.Path(cache_directory) / SUBDIRECTORY / key(setup)
+  loaded = _load(path, setup, warn)
+  if loaded is not None:
+    return loaded, True
+  compiled = steps.lower_train_step(setup).compile()
+  if write:
+    _keep(path, compiled, warn)
+  return compiled, False
+
+
+def key(setup: steps.Setup) -> str:
+  """The hex digest of what the train step of `setup` is made of (the module's docstring)."""
+  digest = hashlib.sha256()
+  for part in _ingredients(setup):
+    digest.update(_ADDRESS.sub("", part).encode())
+    digest.update(b"\0")
+  return digest.hexdigest()
+
+
+def _ingredients(setup: steps.Setup) -> Iterator[str]:
+  yield source_digest()
+  yield repr([(name, importlib.metadata.version(name)) for name in _LIBRARIES])
+  yield repr(sorted((name, repr(value)) for name, value in jax.config.values.items()
+                    if not name.startswith(_WHERE_SETTINGS)))
+  yield repr([os.environ.get(name) for name in _ENVIRONMENT])
+  device = setup.mesh.devices.flat[0]
+  yield repr((device.platform, device.client.platform_version, device.device_kind, jax.process_count(),
+              dict(setup.mesh.shape), [d.id for d in setup.mesh.devices.flat]))
+  yield repr((setup.family, setup.rules, setup.microbatches))
+  state, batch = setup.sharded_abstract_state(), setup.sharded_batch_shapes()
+  yield repr(jax.tree_util.tree_flatten_with_path((state, batch)))
+  params = state.params
+  yield str(jax.make_jaxpr(setup.optimizer.update)(params, state.opt_state, params))
+  yield str(jax.make_jaxpr(setup.schedule)(jax.ShapeDtypeStruct((), jnp.int32)))
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(root: Path = CHECKOUT) -> str:
+  """A digest of the code under `root` (this checkout): its packages' source files, read once per process."""
+  digest = hashlib.sha256()
+  for path in sorted(p for package in PACKAGES for p in (root / package).rglob("*.py")):
+    digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+  return digest.hexdigest()
+
+
+def _load(path: epath.Path, setup: steps.Setup, warn) -> Optional[jax.stages.Compiled]:
+  try:
+    if not path.exists():
+      return None
+    contents = path.read_bytes()
+  except Exception as e:  # storage that cannot be read costs a compile, not the run
+    warn(f"could not read the cached train step {path} ({type(e).__name__}: {e}); tracing and compiling it")
+    return None
+  body = contents[len(_HEADER) + 32:]
+  if contents[:len(_HEADER)] != _HEADER or contents[len(_HEADER):len(_HEADER) + 32] != hashlib.sha256(body).digest():
+    warn(f"ignoring the cached train step {path}: its checksum does not match (a write cut short or a damaged "
+         "file); tracing and compiling it")
+    return None
+  try:
+    payload, in_tree, out_tree = pickle.loads(body)
+    compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+  except Exception as e:
+    warn(f"could not load the cached train step {path} ({type(e).__name__}: {e}); tracing and compiling it")
+    return None
+  wanted = jax.tree.structure(((setup.sharded_abstract_state(), setup.sharded_batch_shapes()), {}))
+  if compiled.in_tree != wanted:
+    warn(f"ignoring the cached train step {path}: it takes other arguments than this run's state and batch; "
+         "tracing and compiling it")
+    return None
+  return compiled
+
+
+def _keep(path: epath.Path, compiled: jax.stages.Compiled, warn) -> None:
+  try:
+    body = pickle.dumps(serialize_executable.serialize(compiled))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.parent / f".{path.name}.{uuid.uuid4().hex}.partial"
+    partial.write_bytes(_HEADER + hashlib.sha256(body).digest() + body)
+    partial.replace(path)  # whole or not at all: a start that reads it meanwhile finds none, or the old one
+  except Exception as e:  # a cache that cannot be written costs the next start a trace, not this run
+    warn(f"could not keep the compiled train step in {path} ({type(e).__name__}: {e}); the next start traces it "
+         "again")

@@ -1,0 +1,38 @@
+"""The train step cache's key (`pretrain.step_cache`): the same run's settings give the same key, in this
+process and another, and each kind of thing a train step is made of changes it. Its loads, misses and damaged
+entries in real runs are in test_compilation_cache.py."""
+import shutil
+import sys
+
+import pytest
+
+from helpers import ROOT, run, step_cache_key
+from pretrain import step_cache
+
+
+def test_the_same_settings_give_the_same_key_in_another_process():
+  other = run([sys.executable, "-c", "import sys; sys.path.append('tests'); from helpers import step_cache_key; "
+               "print(step_cache_key())"])
+  assert other.returncode == 0, other.stderr[-2000:]
+  assert other.stdout.split()[-1] == step_cache_key() == step_cache_key()
+
+
+@pytest.mark.parametrize("change", [
+    "bert.BertConfig.dropout_rate = 0.2",  # the model
+    "LEARNING_RATE = 1e-3",  # the schedule, inside the optimizer
+    "WEIGHT_DECAY = 0.02",  # the optimizer
+    "BATCH_SIZE = 16",  # the shapes
+    "MICROBATCHES = 2",  # the step
+])
+def test_what_makes_the_step_changes_the_key(change):
+  assert step_cache_key(change) != step_cache_key()
+
+
+def test_a_changed_source_file_changes_the_key(tmp_path):
+  for copy in ("same", "changed"):
+    for package in step_cache.PACKAGES:
+      shutil.copytree(ROOT / package, tmp_path / copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+  layers = tmp_path / "changed" / "models" / "layers.py"
+  layers.write_text(layers.read_text() + "\n# a comment is a change: nothing reads code to know what matters\n")
+  assert step_cache.source_digest(tmp_path / "same") == step_cache.source_digest(ROOT)
+  assert step_cache.source_digest(tmp_path / "changed") != step_cache.source_digest(ROOT)

@@ -87,6 +87,12 @@ class OurTrainer:
       self._train_step = steps.jit_train_step(self.setup)
       self._eval_step = steps.jit_eval_step(self.setup)
 
+  def ready(self) -> "OurTrainer":
+    """Itself, once its state is on the device (initialised)."""
+    import jax
+    jax.block_until_ready(self.state)
+    return self
+
   def _context(self):
     from pretrain import partitioning
     return partitioning.tracing_context(self.mesh, self.setup.rules)  # as pretrain.train traces its steps

@@ -1,6 +1,8 @@
 """The train step cache's key (`pretrain.step_cache`): the same run's settings give the same key, in this
 process and another, and each kind of thing a train step is made of changes it. Its loads, misses and damaged
 entries in real runs are in test_compilation_cache.py."""
+import re
+import runpy
 import shutil
 import sys
 
@@ -36,3 +38,14 @@ def test_a_changed_source_file_changes_the_key(tmp_path):
   layers.write_text(layers.read_text() + "\n# a comment is a change: nothing reads code to know what matters\n")
   assert step_cache.source_digest(tmp_path / "same") == step_cache.source_digest(ROOT)
   assert step_cache.source_digest(tmp_path / "changed") != step_cache.source_digest(ROOT)
+
+
+def test_the_step_loading_benchmark_loads_the_step_untraced(capsys, monkeypatch):
+  """benchmarks/step_loading.py at tiny size on the CPU, in this process (it exits if the step cache did not give
+  the train step untraced); timings are printed, not asserted."""
+  monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ on it
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  main = runpy.run_path("benchmarks/step_loading.py")["main"]
+  main(["--families=bert", "--sizes=tiny"])
+  rows = re.findall(r"^bert tiny\s+[\d.]+M((?:\s+[\d.]+){5})\s+[\d.]+x$", capsys.readouterr().out, re.M)
+  assert len(rows) == 1 and all(float(s) > 0 for s in rows[0].split()), rows

@@ -1,14 +1,16 @@
 """The GPU kernels of models/flash_dropout.py compiled for an NVIDIA GPU without one: registers, spills, shared memory.
 
   python benchmarks/triton_offline.py --triton_python=PYTHON [--arch=90] [--batch=32] [--length=512] [--heads=16]
-      [--head_dim=64] [--rate=0.1] [--causal]
+      [--head_dim=64] [--rate=0.1] [--causal] [--tilings=64x64/4/2,128x64/8/2]
 
 JAX lowers the kernels' forward and backward (BERT-Large's attention by default: bf16, head_dim 64, the recipe's
 dropout 0.1) to Triton's IR on this machine, as it does for a GPU; then PYTHON, an interpreter with the `triton`
 package (`python -m venv /tmp/triton && /tmp/triton/bin/pip install triton`: about 1 GB, so not one of the
 project's dependencies), compiles each kernel to PTX for compute capability --arch (90: H100 and H200) with the
 warps and stages JAX would ask for, and Triton's ptxas assembles it. A kernel that fails here would fail on the
-GPU; one that spills registers would be slow there. Speed itself needs the GPU (benchmarks/train_step.py).
+GPU; one that spills registers would be slow there. `--tilings` (flash_dropout.Tiling: queries x keys per tile /
+warps / stages; default the kernels' own) compiles each; which is fastest needs the GPU (benchmarks/attention.py
+--tilings).
 """
 import argparse
 import os
@@ -26,22 +28,23 @@ from triton.backends.compiler import GPUTarget
 arch, directory = int(sys.argv[1]), sys.argv[2]
 bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ptxas = sorted(glob.glob(os.path.join(bin_dir, "ptxas*")))[-1]  # ptxas-blackwell reads the newest PTX
-for path in sorted(glob.glob(os.path.join(directory, "*.ttir"))):
+for path in sorted(glob.glob(os.path.join(directory, "*", "*.ttir"))):
   options = json.load(open(path[:-5] + ".json"))
   kernel = triton.compile(path, target=GPUTarget("cuda", arch, 32), options=options)
   ptx = path[:-5] + ".ptx"
   open(ptx, "w").write(kernel.asm["ptx"])
   report = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx, "-o", ptx + ".cubin"], capture_output=True,
                           text=True, check=True).stderr
-  print(json.dumps({"kernel": os.path.basename(path)[:-5], "shared_bytes": kernel.metadata.shared,
+  print(json.dumps({"kernel": os.path.basename(path)[:-5], "tiling": os.path.basename(os.path.dirname(path)),
+                    "shared_bytes": kernel.metadata.shared,
                     "ptxas": report, **options}))
 """
 
 
-def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, rate: float, causal: bool = False
-          ) -> None:
+def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, rate: float, causal: bool = False,
+          tiling=None) -> None:
   """Writes each Triton kernel of the attention's forward and backward as IR text (<name>.ttir) and the warps and
-  stages it asks for (<name>.json) into `directory`."""
+  stages it asks for (<name>.json) into `directory`, tiled as `tiling` says (None: the kernels' own)."""
   import json
 
   import jax
@@ -55,7 +58,8 @@ def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, ra
 
   def gradients(q, k, v, key_valid, seed):
     attend = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
-                                                     seed=seed, interpret=False).astype(jnp.float32).sum()
+                                                     seed=seed, tiling=tiling or flash_dropout.TILING,
+                                                     interpret=False).astype(jnp.float32).sum()
     return jax.grad(attend, argnums=(0, 1, 2))(q, k, v)
 
   lowered = jax.jit(gradients).trace(rows, rows, rows, jax.ShapeDtypeStruct((batch, length), jnp.int32),
@@ -92,10 +96,21 @@ def main(argv=None) -> int:
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--rate", type=float, default=0.1, help="attention dropout")
   parser.add_argument("--causal", action="store_true", help="a causal mask (a decoder's self-attention)")
+  parser.add_argument("--tilings", default="", help="comma-separated QUERIESxKEYS/WARPS/STAGES (default: the "
+                                                     "kernels' own, flash_dropout.TILING)")
   args = parser.parse_args(argv)
   import json
+
+  from models import flash_dropout
+  try:
+    tilings = [flash_dropout.Tiling.parse(text) for text in args.tilings.split(",") if text.strip()]
+  except ValueError as e:
+    parser.error(f"--tilings: {e}")
   with tempfile.TemporaryDirectory() as directory:
-    lower(directory, args.batch, args.length, args.heads, args.head_dim, args.rate, args.causal)
+    for tiling in tilings or [flash_dropout.TILING]:
+      tiled = os.path.join(directory, str(tiling).replace("/", "-"))
+      os.mkdir(tiled)
+      lower(tiled, args.batch, args.length, args.heads, args.head_dim, args.rate, args.causal, tiling)
     done = subprocess.run([args.triton_python, "-c", COMPILE, str(args.arch), directory], capture_output=True,
                           text=True)
     if done.returncode:
@@ -103,13 +118,15 @@ def main(argv=None) -> int:
       return 1
   print(f"flash_dropout at batch {args.batch}, length {args.length}, {args.heads} heads of {args.head_dim}, bf16, "
         f"dropout {args.rate}{', causal' if args.causal else ''}; Triton -> sm_{args.arch}a")
-  print(f"{'kernel':<18}{'warps':>6}{'stages':>7}{'registers':>10}{'spilled bytes':>14}{'shared KiB':>11}")
+  print(f"{'tiles':<10}{'kernel':<18}{'warps':>6}{'stages':>7}{'registers':>10}{'spilled bytes':>14}"
+        f"{'shared KiB':>11}")
   for line in done.stdout.splitlines():
     kernel = json.loads(line)
     registers = re.search(r"Used (\d+) registers", kernel["ptxas"]).group(1)
     spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", kernel["ptxas"]))
-    print(f"{kernel['kernel']:<18}{kernel['num_warps']:>6}{kernel['num_stages']:>7}{registers:>10}{spilled:>14}"
-          f"{kernel['shared_bytes'] / 1024:>11.1f}")
+    tiles = kernel["tiling"].split("-")[0]
+    print(f"{tiles:<10}{kernel['kernel']:<18}{kernel['num_warps']:>6}{kernel['num_stages']:>7}{registers:>10}"
+          f"{spilled:>14}{kernel['shared_bytes'] / 1024:>11.1f}")
   return 0
 
 

@@ -19,6 +19,8 @@ the kernels run in Pallas's interpret mode (tests); on an NVIDIA GPU Triton comp
 """
 import functools
 import math
+import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,13 +30,37 @@ from jax.experimental.pallas import triton as plt
 
 from models.dropout import SPREAD, hashed_keep_mask, hashed_keeps, mix32, row_salt
 
-BLOCK = 64  # queries and keys per tile, forward and backward: lengths must be multiples of it
+
+
+class Tiling(NamedTuple):
+  """How the kernels cut the work: `queries` and `keys` per tile (each kernel program takes a block of one and
+  loops over blocks of the other; lengths must be multiples of both), and the warps and software-pipeline
+  stages Triton gives a program."""
+  queries: int = 64
+  keys: int = 64
+  warps: int = 4
+  stages: int = 2
+
+  def __str__(self) -> str:
+    return f"{self.queries}x{self.keys}/{self.warps}/{self.stages}"
+
+  @classmethod
+  def parse(cls, text: str) -> "Tiling":
+    """'QUERIESxKEYS/WARPS/STAGES', as str() writes it (e.g. 128x64/8/2)."""
+    match = re.fullmatch(r"(\d+)x(\d+)/(\d+)/(\d+)", text.strip())
+    if not match:
+      raise ValueError(f"tiling {text!r}: expected QUERIESxKEYS/WARPS/STAGES, e.g. 128x64/8/2")
+    return cls(*map(int, match.groups()))
+
+
+TILING = Tiling()  # not yet tuned on a GPU: benchmarks/attention.py --tilings times others
 MASKED_SCORE = -1e30  # finite, so that a row with no valid key stays finite (uniform), as XLA's bias makes it
 
 
-def applies(query_length: int, key_length: int, head_dim: int) -> bool:
+def applies(query_length: int, key_length: int, head_dim: int, tiling: Tiling = TILING) -> bool:
   """Whether the kernels tile these shapes (Triton's products want a head_dim that is a power of 2, >= 16)."""
-  return (query_length % BLOCK == 0 and key_length % BLOCK == 0 and head_dim >= 16
+  multiple = math.lcm(tiling.queries, tiling.keys)
+  return (query_length % multiple == 0 and key_length % multiple == 0 and head_dim >= 16
           and head_dim & (head_dim - 1) == 0)
 
 
@@ -92,21 +118,25 @@ def _dropped(probs, keep, rate: float):
   return probs if keep is None else jnp.where(keep, probs * (1.0 / (1.0 - rate)), 0.0)
 
 
-def _key_blocks_seen(causal: bool, key_length: int):
-  """How many key blocks a query block (this program's) may attend to: under a causal mask none past its own."""
-  return jnp.minimum(pl.program_id(0) + 1, key_length // BLOCK) if causal else key_length // BLOCK
+def _key_blocks_seen(causal: bool, key_length: int, tiling: Tiling):
+  """How many key blocks a query block (this program's) may attend to: under a causal mask none wholly past its
+  last query."""
+  blocks = key_length // tiling.keys
+  if not causal:
+    return blocks
+  return jnp.minimum(((pl.program_id(0) + 1) * tiling.queries + tiling.keys - 1) // tiling.keys, blocks)
 
 
-def _forward_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, causal, rate):
+def _forward_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, *, scale, causal, rate, tiling):
   key_length = k_ref.shape[0]
   salt = _program_salt(seed_ref, rate)
-  query_positions = pl.program_id(0) * BLOCK + jnp.arange(BLOCK)
+  query_positions = pl.program_id(0) * tiling.queries + jnp.arange(tiling.queries)
   q = q_ref[...]
 
   def step(key_block, carry):
     acc, running_max, normaliser = carry
-    keys = pl.ds(key_block * BLOCK, BLOCK)
-    key_positions = key_block * BLOCK + jnp.arange(BLOCK)
+    keys = pl.ds(key_block * tiling.keys, tiling.keys)
+    key_positions = key_block * tiling.keys + jnp.arange(tiling.keys)
     scores = _scores(q, k_ref[keys, :], query_positions, key_positions, key_valid_ref[keys], scale, causal)
     new_max = jnp.maximum(running_max, scores.max(axis=-1))
     correction = jnp.exp(running_max - new_max)
@@ -116,9 +146,10 @@ def _forward_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, out_ref, lse_r
     acc = acc * correction[:, None] + plt.dot(_dropped(probs, keep, rate).astype(v.dtype), v)
     return acc, new_max, normaliser * correction + probs.sum(axis=-1)
 
-  start = (jnp.zeros((BLOCK, q.shape[-1]), jnp.float32), jnp.full((BLOCK,), -jnp.inf, jnp.float32),
-           jnp.zeros((BLOCK,), jnp.float32))
-  acc, running_max, normaliser = jax.lax.fori_loop(0, _key_blocks_seen(causal, key_length), step, start)
+  rows = tiling.queries
+  start = (jnp.zeros((rows, q.shape[-1]), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+           jnp.zeros((rows,), jnp.float32))
+  acc, running_max, normaliser = jax.lax.fori_loop(0, _key_blocks_seen(causal, key_length, tiling), step, start)
   out_ref[...] = (acc / normaliser[:, None]).astype(out_ref.dtype)
   lse_ref[...] = running_max + jnp.log(normaliser)
 
@@ -133,55 +164,57 @@ def _tile_gradients(q, k, v, d_out, lse, delta, query_positions, key_positions, 
 
 
 def _dkv_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
-                scale, causal, rate):
+                scale, causal, rate, tiling):
   query_length, key_length = q_ref.shape[0], key_valid_ref.shape[0]
   salt = _program_salt(seed_ref, rate)
-  keys = pl.ds(pl.program_id(0) * BLOCK, BLOCK)
-  key_positions = pl.program_id(0) * BLOCK + jnp.arange(BLOCK)
+  keys = pl.ds(pl.program_id(0) * tiling.keys, tiling.keys)
+  key_positions = pl.program_id(0) * tiling.keys + jnp.arange(tiling.keys)
   k, v, key_valid = k_ref[...], v_ref[...], key_valid_ref[keys]
 
   def step(query_block, carry):
     dk, dv = carry
-    queries = pl.ds(query_block * BLOCK, BLOCK)
+    queries = pl.ds(query_block * tiling.queries, tiling.queries)
     q, d_out = q_ref[queries, :], d_out_ref[queries, :]
     kept, d_scores = _tile_gradients(q, k, v, d_out, lse_ref[queries], delta_ref[queries],
-                                     query_block * BLOCK + jnp.arange(BLOCK), key_positions, key_valid, salt,
-                                     key_length, scale=scale, causal=causal, rate=rate)
+                                     query_block * tiling.queries + jnp.arange(tiling.queries), key_positions,
+                                     key_valid, salt, key_length, scale=scale, causal=causal, rate=rate)
     dv = dv + plt.dot(kept.astype(d_out.dtype), d_out, trans_a=True)
     dk = dk + plt.dot(d_scores.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
-  zeros = jnp.zeros((BLOCK, k.shape[-1]), jnp.float32)
-  first = pl.program_id(0) if causal else 0  # under a causal mask, earlier query blocks never see this one
-  dk, dv = jax.lax.fori_loop(first, query_length // BLOCK, step, (zeros, zeros))
+  zeros = jnp.zeros((tiling.keys, k.shape[-1]), jnp.float32)
+  # Under a causal mask, query blocks wholly before this key block never see it.
+  first = pl.program_id(0) * tiling.keys // tiling.queries if causal else 0
+  dk, dv = jax.lax.fori_loop(first, query_length // tiling.queries, step, (zeros, zeros))
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(seed_ref, key_valid_ref, q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, dq_ref, *,
-               scale, causal, rate):
+               scale, causal, rate, tiling):
   key_length = k_ref.shape[0]
   salt = _program_salt(seed_ref, rate)
-  query_positions = pl.program_id(0) * BLOCK + jnp.arange(BLOCK)
+  query_positions = pl.program_id(0) * tiling.queries + jnp.arange(tiling.queries)
   q, d_out, lse, delta = q_ref[...], d_out_ref[...], lse_ref[...], delta_ref[...]
 
   def step(key_block, dq):
-    keys = pl.ds(key_block * BLOCK, BLOCK)
+    keys = pl.ds(key_block * tiling.keys, tiling.keys)
     k = k_ref[keys, :]
     _, d_scores = _tile_gradients(q, k, v_ref[keys, :], d_out, lse, delta, query_positions,
-                                  key_block * BLOCK + jnp.arange(BLOCK), key_valid_ref[keys], salt, key_length,
-                                  scale=scale, causal=causal, rate=rate)
+                                  key_block * tiling.keys + jnp.arange(tiling.keys), key_valid_ref[keys], salt,
+                                  key_length, scale=scale, causal=causal, rate=rate)
     return dq + plt.dot(d_scores.astype(k.dtype), k)
 
-  dq = jax.lax.fori_loop(0, _key_blocks_seen(causal, key_length), step, jnp.zeros((BLOCK, q.shape[-1]), jnp.float32))
+  dq = jax.lax.fori_loop(0, _key_blocks_seen(causal, key_length, tiling), step,
+                         jnp.zeros((tiling.queries, q.shape[-1]), jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
-def _specs(query_length: int, key_length: int, head_dim: int, blocked: str) -> dict:
+def _specs(query_length: int, key_length: int, head_dim: int, blocked: str, tiling: Tiling) -> dict:
   """BlockSpecs of the kernels' operands and results by name, for a grid over (blocks of `blocked` ('queries' or
   'keys'), batch, heads): the blocked side one block, the other whole."""
   def rows(length, side):
-    block, index = (BLOCK, lambda i: i) if side == blocked else (length, lambda i: 0)
+    block, index = (getattr(tiling, side), lambda i: i) if side == blocked else (length, lambda i: 0)
     return (pl.BlockSpec((None, block, None, head_dim), lambda i, b, h: (b, index(i), h, 0)),
             pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, index(i))))
   query_rows, query_stats = rows(query_length, "queries")
@@ -192,45 +225,47 @@ def _specs(query_length: int, key_length: int, head_dim: int, blocked: str) -> d
               k=key_rows, v=key_rows, dk=key_rows, dv=key_rows)
 
 
-def _run(kernel, blocked: str, operands: dict, results: dict, *, causal: bool, rate: float, interpret: bool):
+def _run(kernel, blocked: str, operands: dict, results: dict, *, causal: bool, rate: float, tiling: Tiling,
+         interpret: bool):
   """`kernel` over a grid of (blocks of `blocked`, batch, heads), on `operands` and making `results` (by name:
   arrays and ShapeDtypeStructs), each tiled as `_specs` tiles its name."""
   batch, query_length, heads, head_dim = operands["q"].shape
   key_length = operands["k"].shape[1]
-  specs = _specs(query_length, key_length, head_dim, blocked)
-  grid = ((query_length if blocked == "queries" else key_length) // BLOCK, batch, heads)
-  kernel = functools.partial(kernel, scale=1.0 / math.sqrt(head_dim), causal=causal, rate=rate)
+  specs = _specs(query_length, key_length, head_dim, blocked, tiling)
+  grid = ((query_length if blocked == "queries" else key_length) // getattr(tiling, blocked), batch, heads)
+  kernel = functools.partial(kernel, scale=1.0 / math.sqrt(head_dim), causal=causal, rate=rate, tiling=tiling)
   return pl.pallas_call(kernel, grid=grid, in_specs=[specs[name] for name in operands],
                         out_specs=[specs[name] for name in results], out_shape=list(results.values()),
-                        interpret=interpret, compiler_params=plt.CompilerParams(num_warps=4, num_stages=2),
+                        interpret=interpret,
+                        compiler_params=plt.CompilerParams(num_warps=tiling.warps, num_stages=tiling.stages),
                         )(*operands.values())
 
 
-def _forward(q, k, v, key_valid, seed, causal, rate, interpret):
+def _forward(q, k, v, key_valid, seed, causal, rate, tiling, interpret):
   """(out, lse): the output and each row's log-sum-exp of its scores [batch, heads, queries], in fp32."""
   batch, query_length, heads, _ = q.shape
   return _run(_forward_kernel, "queries", dict(seed=seed, key_valid=key_valid, q=q, k=k, v=v),
               dict(out=jax.ShapeDtypeStruct(q.shape, q.dtype),
                    lse=jax.ShapeDtypeStruct((batch, heads, query_length), jnp.float32)),
-              causal=causal, rate=rate, interpret=interpret)
+              causal=causal, rate=rate, tiling=tiling, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, key_valid, seed, causal, rate, interpret):
-  return _forward(q, k, v, key_valid, seed, causal, rate, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, key_valid, seed, causal, rate, tiling, interpret):
+  return _forward(q, k, v, key_valid, seed, causal, rate, tiling, interpret)[0]
 
 
-def _attention_forward(q, k, v, key_valid, seed, causal, rate, interpret):
-  out, lse = _forward(q, k, v, key_valid, seed, causal, rate, interpret)
+def _attention_forward(q, k, v, key_valid, seed, causal, rate, tiling, interpret):
+  out, lse = _forward(q, k, v, key_valid, seed, causal, rate, tiling, interpret)
   return out, (q, k, v, key_valid, seed, out, lse)
 
 
-def _attention_backward(causal, rate, interpret, residuals, d_out):
+def _attention_backward(causal, rate, tiling, interpret, residuals, d_out):
   q, k, v, key_valid, seed, out, lse = residuals
   # Each row's sum of d_out * out equals its sum of probabilities times their gradient, dropout included.
   delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
   operands = dict(seed=seed, key_valid=key_valid, q=q, k=k, v=v, d_out=d_out.astype(q.dtype), lse=lse, delta=delta)
-  options = dict(causal=causal, rate=rate, interpret=interpret)
+  options = dict(causal=causal, rate=rate, tiling=tiling, interpret=interpret)
   like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   dk, dv = _run(_dkv_kernel, "keys", operands, dict(dk=like(k), dv=like(v)), **options)
   (dq,) = _run(_dq_kernel, "queries", operands, dict(dq=like(q)), **options)
@@ -241,14 +276,15 @@ _attention.defvjp(_attention_forward, _attention_backward)
 
 
 def attention(q, k, v, *, key_valid=None, causal: bool = False, rate: float = 0.0, seed=None,
-              interpret=None) -> jax.Array:
+              tiling: Tiling = TILING, interpret=None) -> jax.Array:
   """Softmax(q k^T / sqrt(head_dim)) v over [batch, length, heads, head_dim] arrays, with the probabilities
   dropped out at `rate` under `seed` (two uint32 words: `Dropout.hash_seed`); `key_valid` [batch, keys]
   marks real keys. The kernels are interpreted where `interpret` says, by default on a CPU (Triton compiles
-  for GPUs only)."""
-  if not applies(q.shape[1], k.shape[1], q.shape[-1]):
-    raise ValueError(f"flash_dropout: lengths {q.shape[1]}, {k.shape[1]} must be multiples of {BLOCK} and "
-                     f"head_dim {q.shape[-1]} a power of 2 >= 16")
+  for GPUs only). The decisions do not depend on the tiling."""
+  if not applies(q.shape[1], k.shape[1], q.shape[-1], tiling):
+    raise ValueError(f"flash_dropout: lengths {q.shape[1]}, {k.shape[1]} must be multiples of "
+                     f"{math.lcm(tiling.queries, tiling.keys)} (tiling {tiling}) and head_dim {q.shape[-1]} a power "
+                     "of 2 >= 16")
   if rate > 0 and seed is None:
     raise ValueError("flash_dropout: dropout needs a seed")
   key_valid = (jnp.ones((k.shape[0], k.shape[1]), jnp.int32) if key_valid is None
@@ -256,4 +292,4 @@ def attention(q, k, v, *, key_valid=None, causal: bool = False, rate: float = 0.
   seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
   if interpret is None:  # a chip that runs neither is refused earlier, by layers.attention_refusal
     interpret = jax.devices()[0].platform == "cpu"
-  return _attention(q, k, v, key_valid, seed, causal, float(rate), interpret)
+  return _attention(q, k, v, key_valid, seed, causal, float(rate), tiling, interpret)

@@ -23,11 +23,16 @@ CASES = {  # name: (query length, key length, real key lengths, causal, rate)
     "self-attention, no dropout": (128, 128, (128, 128), False, 0.0),
     "padded keys, the recipe's dropout": (128, 192, (150, 192), False, 0.1),
     "causal, heavy dropout": (128, 128, (128, 100), True, 0.3),
+    "causal, longer": (256, 256, (256, 200), True, 0.1),
 }
+# Tiles that differ in queries and keys: a causal loop then stops inside a key block, or starts inside a query block.
+OTHER_TILINGS = [flash_dropout.Tiling(128, 64, 8, 2), flash_dropout.Tiling(64, 128, 4, 3)]
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_values_and_gradients_match_xla_with_the_same_decisions(case):
+@pytest.mark.parametrize("case,tiling", [pytest.param(case, tiling, id=f"{case}, tiles {tiling}") for case, tiling in
+                                         [(case, flash_dropout.TILING) for case in sorted(CASES)]
+                                         + [("causal, longer", tiling) for tiling in OTHER_TILINGS]])
+def test_values_and_gradients_match_xla_with_the_same_decisions(case, tiling):
   query_length, key_length, real, causal, rate = CASES[case]
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.normal(size=(2, length, 2, 32)), jnp.float32)
@@ -40,7 +45,7 @@ def test_values_and_gradients_match_xla_with_the_same_decisions(case):
     return lambda q, k, v: (attend(q, k, v) * weights).sum()
 
   fused = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
-                                                  seed=kernel_seed)
+                                                  seed=kernel_seed, tiling=tiling)
   ours, our_grads = jax.block_until_ready(jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 1, 2)))(q, k, v))
   xla = lambda q, k, v: flash_dropout.reference_attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
                                                           seed=kernel_seed)
@@ -51,6 +56,14 @@ def test_values_and_gradients_match_xla_with_the_same_decisions(case):
   if rate:  # the decisions mattered: without them the values differ
     undropped = lambda q, k, v: flash_dropout.reference_attention(q, k, v, key_valid=key_valid, causal=causal)
     assert not np.allclose(ours, loss(undropped)(q, k, v))
+
+
+def test_a_tiling_is_written_as_it_is_read_and_bad_ones_are_refused():
+  tiling = flash_dropout.Tiling(128, 64, 8, 3)
+  assert flash_dropout.Tiling.parse(str(tiling)) == tiling
+  with pytest.raises(ValueError, match="expected QUERIESxKEYS/WARPS/STAGES"):
+    flash_dropout.Tiling.parse("128x64")
+  assert flash_dropout.applies(128, 128, 64, tiling) and not flash_dropout.applies(192, 128, 64, tiling)
 
 
 def test_bf16_inputs_give_bf16_outputs_close_to_fp32():

@@ -44,7 +44,7 @@ class Compiles:
   loaded: int = 0
   untraced: int = 0  # of those loaded, how many without tracing them (the train step: pretrain.step_cache)
 
-  def loaded_untraced(self) -> None:
+  def count_untraced_load(self) -> None:
     self.requested, self.loaded, self.untraced = self.requested + 1, self.loaded + 1, self.untraced + 1
 
   @property

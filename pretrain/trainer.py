@@ -275,8 +275,9 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       waited = time.time()
       step_fn, untraced = compiling[0].result()
       if untraced:
-        compiles.loaded_untraced()
-      events.record("compile", what="train_step", seconds=time.time() - waited, overall_seconds=compiling[0].seconds)
+        compiles.count_untraced_load()
+      events.record("compile", what="train_step", seconds=time.time() - waited, overall_seconds=compiling[0].seconds,
+                    untraced=untraced)
       profiler.use_program(step_fn)
       signals.at("waiting for the first batch")
       batch = partitioning.global_batch(first_batch.result(), mesh)

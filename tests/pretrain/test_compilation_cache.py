@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from helpers import SMALL_BERT, flip_a_bit, train
-from pretrain import step_cache, steps
+from pretrain import goodput, step_cache, steps
 
 pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
 
@@ -55,6 +55,8 @@ def test_a_resumed_run_loads_every_program_untraced_and_says_so(first_run, step_
   assert f"compilation cache {root / 'cache'}: all {resumed['loaded']} programs loaded (1 untraced), nothing " \
          "compiled" in capsys.readouterr().out
   assert step_traces == []
+  compiles = [r for r in goodput.read_records(str(root / "run")) if r["kind"] == "compile"]
+  assert [r["untraced"] for r in compiles if r["what"] == "train_step"] == [False, True]  # the first run, then this
 
 
 @pytest.mark.parametrize("damage", ["flipped", "partial"])

@@ -230,26 +230,24 @@ def random_batch(family, batch_size: int, lengths, rng):
 
 
 def with_choices(family, attention: str, dropout_masks: str):
-  """The family with our model's attention and dropout masks set (XLNet's relative attention has one
-  implementation)."""
-  chosen = {"dropout_masks": dropout_masks}
-  if hasattr(family.config, "attention_implementation"):
-    chosen["attention_implementation"] = attention
-  return dataclasses.replace(family, config=dataclasses.replace(family.config, **chosen))
+  """The family with our model's attention and dropout masks set (XLNet's relative attention takes auto, xla and
+  triton)."""
+  return dataclasses.replace(family, config=dataclasses.replace(family.config, dropout_masks=dropout_masks,
+                                                                attention_implementation=attention))
 
 
 def attention_label(trainer, requested: str) -> str:
   """What our step's attention computes with in training, e.g. 'auto=cudnn' or 'cudnn (xla: dropout)'."""
-  from models import layers
+  from models import flash_dropout, layers
   config = trainer.setup.family.config
-  if not hasattr(config, "attention_implementation"):
-    return "xla (relative)"
   chosen = config.attention_implementation
   label = chosen if requested == chosen else f"{requested}={chosen}"
-  rate = getattr(config, "attention_dropout_rate", getattr(config, "attention_dropout", 0.0))
-  head_dim = config.head_dim
   seq = max(s.shape[1] for s in trainer.setup.batch_shapes.values() if len(s.shape) == 2)
-  if chosen != "xla" and not layers.fused_attention_applies(chosen, dtype=config.dtype, head_dim=head_dim,
+  if hasattr(config, "d_head"):  # XLNet: the content stream's seq queries over mem_len + seq keys in the kernel
+    tiles = chosen == "xla" or flash_dropout.applies(seq, config.mem_len + seq, config.d_head)
+    return f"{label} (relative{'' if tiles else ', trains with xla'})"
+  rate = getattr(config, "attention_dropout_rate", getattr(config, "attention_dropout", 0.0))
+  if chosen != "xla" and not layers.fused_attention_applies(chosen, dtype=config.dtype, head_dim=config.head_dim,
                                                             query_length=seq, key_length=seq, dropout_rate=rate,
                                                             deterministic=False):
     label += " (trains with xla)"
@@ -357,7 +355,8 @@ def compare(name: str, size_name: str, args, device) -> list:
   from pretrain import roofline, steps
   family, lengths, batch_size = family_and_lengths(name, size_name, args.device, args.attention_dropout)
   numpy_batch = random_batch(family, batch_size, lengths, np.random.default_rng(0))
-  requested = args.attention if hasattr(family.config, "attention_implementation") else ["xla"]
+  known = family.device_choices["attention_implementation"][0]  # XLNet's model takes auto, xla and triton
+  requested = [attention for attention in args.attention if attention in known] or ["auto"]
   variants = [(attention, prng, masks) for masks in args.dropout_masks for prng in args.prng_impl
               for attention in requested]
   ours = []

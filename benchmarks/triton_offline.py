@@ -1,7 +1,7 @@
 """The GPU kernels of models/flash_dropout.py compiled for an NVIDIA GPU without one: registers, spills, shared memory.
 
   python benchmarks/triton_offline.py --triton_python=PYTHON [--arch=90] [--batch=32] [--length=512] [--heads=16]
-      [--head_dim=64] [--rate=0.1] [--causal] [--tilings=64x64/4/2,128x64/8/2]
+      [--head_dim=64] [--rate=0.1] [--causal | --bias] [--tilings=64x64/4/2,128x64/8/2]
 
 JAX lowers the kernels' forward and backward (BERT-Large's attention by default: bf16, head_dim 64, the recipe's
 dropout 0.1) to Triton's IR on this machine, as it does for a GPU; then PYTHON, an interpreter with the `triton`
@@ -9,7 +9,8 @@ package (`python -m venv /tmp/triton && /tmp/triton/bin/pip install triton`: abo
 project's dependencies), compiles each kernel to PTX for compute capability --arch (90: H100 and H200) with the
 warps and stages JAX would ask for, and Triton's ptxas assembles it. A kernel that fails here would fail on the
 GPU; one that spills registers would be slow there. `--tilings` (flash_dropout.Tiling: queries x keys per tile /
-warps / stages; default the kernels' own) compiles each; which is fastest needs the GPU (benchmarks/attention.py
+warps / stages; default the kernels' own) compiles each; `--bias` the kernels with an additive bias and its
+gradient (XLNet's relative attention); which is fastest needs the GPU (benchmarks/attention.py
 --tilings).
 """
 import argparse
@@ -42,7 +43,7 @@ for path in sorted(glob.glob(os.path.join(directory, "*", "*.ttir"))):
 
 
 def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, rate: float, causal: bool = False,
-          tiling=None) -> None:
+          tiling=None, bias: bool = False) -> None:
   """Writes each Triton kernel of the attention's forward and backward as IR text (<name>.ttir) and the warps and
   stages it asks for (<name>.json) into `directory`, tiled as `tiling` says (None: the kernels' own)."""
   import json
@@ -56,14 +57,16 @@ def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, ra
 
   rows = jax.ShapeDtypeStruct((batch, length, heads, head_dim), jnp.bfloat16)
 
-  def gradients(q, k, v, key_valid, seed):
-    attend = lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, causal=causal, rate=rate,
-                                                     seed=seed, tiling=tiling or flash_dropout.TILING,
-                                                     interpret=False).astype(jnp.float32).sum()
-    return jax.grad(attend, argnums=(0, 1, 2))(q, k, v)
+  def gradients(q, k, v, key_valid, seed, scores_bias):
+    attend = lambda q, k, v, scores_bias: flash_dropout.attention(
+        q, k, v, key_valid=key_valid, causal=causal, rate=rate, seed=seed, bias=scores_bias,
+        tiling=tiling or flash_dropout.TILING, interpret=False).astype(jnp.float32).sum()
+    return jax.grad(attend, argnums=(0, 1, 2, 3))(q, k, v, scores_bias)
 
+  scores = jax.ShapeDtypeStruct((batch, heads, length, length), jnp.bfloat16) if bias else None
   lowered = jax.jit(gradients).trace(rows, rows, rows, jax.ShapeDtypeStruct((batch, length), jnp.int32),
-                                     jax.ShapeDtypeStruct((2,), jnp.uint32)).lower(lowering_platforms=("cuda",))
+                                     jax.ShapeDtypeStruct((2,), jnp.uint32), scores
+                                     ).lower(lowering_platforms=("cuda",))
   configs = []
 
   def collect(operation):
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
   parser.add_argument("--head_dim", type=int, default=64)
   parser.add_argument("--rate", type=float, default=0.1, help="attention dropout")
   parser.add_argument("--causal", action="store_true", help="a causal mask (a decoder's self-attention)")
+  parser.add_argument("--bias", action="store_true", help="an additive [batch, heads, q, k] bias, differentiated "
+                                                          "(XLNet's relative attention)")
   parser.add_argument("--tilings", default="", help="comma-separated QUERIESxKEYS/WARPS/STAGES (default: the "
                                                      "kernels' own, flash_dropout.TILING)")
   args = parser.parse_args(argv)
@@ -110,14 +115,15 @@ def main(argv=None) -> int:
     for tiling in tilings or [flash_dropout.TILING]:
       tiled = os.path.join(directory, str(tiling).replace("/", "-"))
       os.mkdir(tiled)
-      lower(tiled, args.batch, args.length, args.heads, args.head_dim, args.rate, args.causal, tiling)
+      lower(tiled, args.batch, args.length, args.heads, args.head_dim, args.rate, args.causal, tiling, args.bias)
     done = subprocess.run([args.triton_python, "-c", COMPILE, str(args.arch), directory], capture_output=True,
                           text=True)
     if done.returncode:
       print(f"triton_offline: compiling with {args.triton_python} failed:\n{done.stderr[-3000:]}", file=sys.stderr)
       return 1
   print(f"flash_dropout at batch {args.batch}, length {args.length}, {args.heads} heads of {args.head_dim}, bf16, "
-        f"dropout {args.rate}{', causal' if args.causal else ''}; Triton -> sm_{args.arch}a")
+        f"dropout {args.rate}{', causal' if args.causal else ''}{', bias' if args.bias else ''}; Triton -> "
+        f"sm_{args.arch}a")
   print(f"{'tiles':<10}{'kernel':<18}{'warps':>6}{'stages':>7}{'registers':>10}{'spilled bytes':>14}"
         f"{'shared KiB':>11}")
   for line in done.stdout.splitlines():

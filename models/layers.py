@@ -277,13 +277,23 @@ def _pallas_attention(query, key, value, mask: AttentionMask) -> jax.Array:
   return _per_device(attend, query, key, value, mask)
 
 
-def _triton_attention(query, key, value, mask: AttentionMask, rate: float, seed) -> jax.Array:
+def _triton_attention(query, key, value, mask: AttentionMask, rate: float, seed, bias=None) -> jax.Array:
   """models/flash_dropout.py's kernels, per device under the mesh; each device's masks under its own seed."""
-  def attend(q, k, v, segments, device_index):
+  def attend(q, k, v, segments, device_index, bias=None):
     return flash_dropout.attention(q, k, v, key_valid=None if segments is None else segments[1], causal=mask.causal,
-                                   rate=rate, seed=None if seed is None else flash_dropout.fold_in(seed, device_index))
+                                   rate=rate, seed=None if seed is None else flash_dropout.fold_in(seed, device_index),
+                                   bias=bias)
 
-  return _per_device(attend, query, key, value, mask, heads_major=False)
+  return _per_device(attend, query, key, value, mask, heads_major=False, bias=bias)
+
+
+def biased_attention(query, key, value, bias, *, dropout: Dropout, deterministic: bool) -> jax.Array:
+  """Softmax(q k^T / sqrt(d) + bias) v over [batch, length, heads, head_dim] arrays through the Triton kernel
+  (models/flash_dropout.py), `bias` [batch, heads, q, k] differentiated too (XLNet's position and segment
+  scores, its mask in them), the probabilities dropped out by the kernel in training. Callers check
+  `flash_dropout.applies` first."""
+  rate = 0.0 if deterministic else dropout.rate
+  return _triton_attention(query, key, value, AttentionMask(), rate, dropout.hash_seed() if rate else None, bias)
 
 
 def _splash_attention(query, key, value, mask: AttentionMask) -> jax.Array:
@@ -317,13 +327,14 @@ def _splash_block(length: int) -> int:
   return next(block for block in (512, 256, 128) if length % block == 0)
 
 
-def _per_device(attend, query, key, value, mask: AttentionMask, heads_major: bool = True) -> jax.Array:
+def _per_device(attend, query, key, value, mask: AttentionMask, heads_major: bool = True, bias=None) -> jax.Array:
   """`attend(q, k, v, segments, device)` of a Pallas kernel, run per device under the mesh (a kernel is not
   partitioned by XLA): batch and heads split as the logical axis rules split the activations, each device
   attending over whole rows. The arrays are [batch, heads, length, head_dim] if `heads_major` (the TPU kernels'
   layout), else as given: [batch, length, heads, head_dim]. `segments`: None, or the (query, key) segment ids
   [batch, length] that express padding: real positions are segment 1, padding 0, and a query attends only
-  within its segment. `device`: the device's index among those that split the rows (0 without a mesh)."""
+  within its segment. `device`: the device's index among those that split the rows (0 without a mesh). A
+  `bias` [batch, heads, q, k], split as the rows are, goes to `attend` as `bias=`."""
   segments = None
   if mask.query_valid is not None or mask.key_valid is not None:
     batch, query_length, key_length = query.shape[0], query.shape[1], key.shape[1]
@@ -331,15 +342,16 @@ def _per_device(attend, query, key, value, mask: AttentionMask, heads_major: boo
                                     else jnp.broadcast_to(valid, (batch, length)).astype(jnp.int32))
     segments = (as_ids(mask.query_valid, query_length), as_ids(mask.key_valid, key_length))
 
-  def in_layout(q, k, v, segments, device):
+  def in_layout(q, k, v, segments, device, bias=None):
+    extra = {} if bias is None else {"bias": bias}
     if not heads_major:
-      return attend(q, k, v, segments, device)
+      return attend(q, k, v, segments, device, **extra)
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
-    return jnp.swapaxes(attend(q, k, v, segments, device), 1, 2)
+    return jnp.swapaxes(attend(q, k, v, segments, device, **extra), 1, 2)
 
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
-    return in_layout(query, key, value, segments, 0)
+    return in_layout(query, key, value, segments, 0, bias)
   batch_axes, _, heads_axes, _ = nn.logical_to_mesh_axes(BATCH_LENGTH_HEADS_KV)
   # An axis the mesh does not divide (init's one example row) is whole on every device.
   batch_axes = _if_dividing(batch_axes, query.shape[0], mesh)
@@ -349,11 +361,13 @@ def _per_device(attend, query, key, value, mask: AttentionMask, heads_major: boo
   rows_spec = jax.sharding.PartitionSpec(batch_axes, None)
   segment_spec = None if segments is None else (rows_spec, rows_spec)
 
-  def on_device(q, k, v, segments):
-    return in_layout(q, k, v, segments, jax.lax.axis_index(splitting) if splitting else 0)
+  bias_spec = None if bias is None else jax.sharding.PartitionSpec(batch_axes, heads_axes, None, None)
 
-  return jax.shard_map(on_device, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec),
-                       out_specs=heads_spec, check_vma=False)(query, key, value, segments)
+  def on_device(q, k, v, segments, bias):
+    return in_layout(q, k, v, segments, jax.lax.axis_index(splitting) if splitting else 0, bias)
+
+  return jax.shard_map(on_device, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, segment_spec, bias_spec),
+                       out_specs=heads_spec, check_vma=False)(query, key, value, segments, bias)
 
 
 def _axis_names(mesh_axes) -> tuple:

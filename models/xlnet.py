@@ -29,11 +29,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models import layers
+from models import flash_dropout, layers
 
 MEMORY_AXES = ("activation_batch", None, "activation_length", "activation_embed")
 BIAS_NAMES = ("r_w_bias", "r_r_bias", "r_s_bias")  # content, position and segment biases
 MASKED_SCORE = 1e30  # subtracted from blocked scores, as the reference does
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +59,16 @@ class XLNetConfig:
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
   dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
+  # ATTENTION_IMPLEMENTATIONS: 'xla' computes the scores, probabilities and dropout masks in XLA; 'triton' adds
+  # the position and segment scores (and the mask) to the content scores inside models/flash_dropout.py's kernel
+  # (NVIDIA GPUs; a CPU interprets it), where its shapes tile, XLA's elsewhere. 'auto' is 'xla' on every chip:
+  # the kernel is not yet measured on a GPU.
+  attention_implementation: str = "auto"
 
   def __post_init__(self):
+    if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+      raise ValueError(f"attention_implementation={self.attention_implementation!r}: expected one of "
+                       f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if self.attn_type != "bi":
       raise ValueError(f"attn_type={self.attn_type!r}: only 'bi' (XLNet pretraining's attention) is supported")
     if self.mem_len < 0 or (self.reuse_len or 0) < 0:
@@ -232,11 +241,22 @@ class RelativeAttention(nn.Module):
     key, value = project(keys_in, "k"), project(keys_in, "v")
     key_r = jnp.einsum("zrd,dnh->zrnh", pos_emb, weights["r"])
 
-    def attend(query, mask, seg_diff, shift, key, value, key_r):
-      content = jnp.einsum("bind,bjnd->bnij", query + biases["r_w_bias"], key)
+    def position_and_segment(query, seg_diff, shift, key_r):
       position = shift(position_scores(query + biases["r_r_bias"], key_r))
       segment = jnp.einsum("bind,snd->bnis", query + biases["r_s_bias"], seg_embed)
-      segment = jnp.where(seg_diff[:, None], segment[..., 1:], segment[..., :1])
+      return position, jnp.where(seg_diff[:, None], segment[..., 1:], segment[..., :1])
+
+    def attend(query, mask, seg_diff, shift, key, value, key_r):
+      if cfg.attention_implementation == "triton" and flash_dropout.applies(query.shape[1], key.shape[1],
+                                                                           cfg.d_head):
+        position, segment = position_and_segment(query, seg_diff, shift, key_r)
+        bias = ((position + segment).astype(jnp.float32) / jnp.sqrt(jnp.float32(cfg.d_head))
+                - MASKED_SCORE * mask[:, None]).astype(cfg.dtype)
+        context = layers.biased_attention(query + biases["r_w_bias"], key, value, bias, dropout=drop,
+                                          deterministic=deterministic)
+        return layers.constrain(context, layers.BATCH_LENGTH_HEADS_KV)
+      content = jnp.einsum("bind,bjnd->bnij", query + biases["r_w_bias"], key)
+      position, segment = position_and_segment(query, seg_diff, shift, key_r)
       scores = (content + position + segment).astype(jnp.float32) / jnp.sqrt(jnp.float32(cfg.d_head))
       # Softmax in fp32: bf16 loses too much in the normaliser.
       probs = layers.softmax(scores - MASKED_SCORE * mask[:, None], cfg.dtype)

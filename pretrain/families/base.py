@@ -7,7 +7,7 @@ trainer's core never names a family.
 """
 import abc
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -33,6 +33,8 @@ class Family(abc.ABC):
   config: Any
   objectives: Tuple[str, ...]  # the objectives (`data_pipelines.features.SCHEMAS`) whose examples it takes
   layer_count_fields: Tuple[str, ...]  # config fields that set the depth of each layer stack
+  # Model config fields whose 'auto' is the chip's: name -> (the values it takes, the chip's value).
+  device_choices: ClassVar[Mapping[str, Tuple[Tuple[str, ...], Callable[[Any], str]]]] = DEVICE_CHOICES
 
   def fit_to_data(self, vocab_size: int, objective: str, feature_lengths: Mapping[str, int]) -> "Family":
     """The family with its model fitted to the run's data: an unset vocab_size becomes the vocabulary's
@@ -60,7 +62,7 @@ class Family(abc.ABC):
     """The family as it compiles for `device`'s chip: a model's attention and dropout masks of 'auto' become
     the chip's (`layers.attention_for_device`, `dropout.masks_for_device`)."""
     chosen = {}
-    for name, (known, for_device) in DEVICE_CHOICES.items():
+    for name, (known, for_device) in self.device_choices.items():
       value = getattr(self.config, name, None)
       if value is not None and value not in known:
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(known)}")

@@ -1,11 +1,12 @@
 """XLNet family: permutation LM on the query stream at target_mapping positions, with memory carried across steps."""
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 
-from models.xlnet import MEMORY_AXES, XLNetConfig, XLNetLMHeadModel
+from models.xlnet import ATTENTION_IMPLEMENTATIONS, MEMORY_AXES, XLNetConfig, XLNetLMHeadModel
 from pretrain.errors import ConfigError
-from pretrain.families.base import Family, weighted_cross_entropy
+from pretrain.families.base import DEVICE_CHOICES, Family, weighted_cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +15,9 @@ class XLNetFamily(Family):
   name: str = "xlnet"
   objectives: tuple = ("xlnet_plm",)
   layer_count_fields: tuple = ("n_layer",)
+  # Its relative attention: XLA's on every chip until the Triton kernel with a bias is measured on a GPU.
+  device_choices: ClassVar[dict] = {**DEVICE_CHOICES,
+                                    "attention_implementation": (ATTENTION_IMPLEMENTATIONS, lambda device: "xla")}
 
   def make_model(self):
     return XLNetLMHeadModel(self.config)

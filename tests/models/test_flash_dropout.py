@@ -58,6 +58,45 @@ def test_values_and_gradients_match_xla_with_the_same_decisions(case, tiling):
     assert not np.allclose(ours, loss(undropped)(q, k, v))
 
 
+@pytest.mark.parametrize("tiling", [flash_dropout.TILING, OTHER_TILINGS[0]], ids=str)
+def test_an_additive_bias_and_its_gradient_match_xla_with_the_same_decisions(tiling):
+  """XLNet's use: position scores as a bias [batch, heads, q, k], its attention mask in it as MASKED_SCORE (one
+  row wholly masked, as the query stream's unpredicted rows are), with dropout; the bias's gradient too."""
+  rng = np.random.default_rng(2)
+  batch, heads, length, keys = 2, 2, 128, 256
+  q = jnp.asarray(rng.normal(size=(batch, length, heads, 32)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(batch, keys, heads, 32)), jnp.float32) for _ in range(2))
+  blocked = rng.random((batch, 1, length, keys)) < 0.3
+  blocked[0, :, 5] = True
+  bias = jnp.where(blocked, flash_dropout.MASKED_SCORE, jnp.asarray(rng.normal(size=(batch, heads, length, keys)),
+                                                                     jnp.float32))
+  weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+  def loss(attend):
+    return lambda q, k, v, bias: (attend(q, k, v, bias) * weights).sum()
+
+  options = dict(key_valid=jnp.ones((batch, keys), jnp.int32), rate=0.1, seed=seed(4))
+  fused = lambda q, k, v, bias: flash_dropout.attention(q, k, v, bias=bias, tiling=tiling, **options)
+  ours, our_grads = jax.jit(jax.value_and_grad(loss(fused), argnums=(0, 1, 2, 3)))(q, k, v, bias)
+  xla = lambda q, k, v, bias: flash_dropout.reference_attention(q, k, v, bias=bias, **options)
+  value, grads = jax.value_and_grad(loss(xla), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  np.testing.assert_allclose(ours, value, rtol=1e-5, atol=1e-4)
+  for our_grad, grad in zip(our_grads, grads):
+    np.testing.assert_allclose(our_grad, grad, rtol=1e-4, atol=1e-5)
+  partly_blocked = blocked.repeat(heads, axis=1)
+  partly_blocked[0, :, 5] = False  # the wholly masked row attends uniformly, so each of its keys has a gradient
+  d_bias = np.asarray(our_grads[3])
+  assert np.all(d_bias[partly_blocked] == 0) and np.abs(d_bias).max() > 1e-3
+
+
+def test_a_bias_of_another_shape_or_with_causal_is_refused():
+  q = jnp.zeros((2, 128, 2, 32))
+  with pytest.raises(ValueError, match=r"a bias must be \[batch, heads, queries, keys\] = \[2, 2, 128, 128\]"):
+    flash_dropout.attention(q, q, q, bias=jnp.zeros((2, 128, 2, 128)))
+  with pytest.raises(ValueError, match="without causal"):
+    flash_dropout.attention(q, q, q, bias=jnp.zeros((2, 2, 128, 128)), causal=True)
+
+
 def test_a_tiling_is_written_as_it_is_read_and_bad_ones_are_refused():
   tiling = flash_dropout.Tiling(128, 64, 8, 3)
   assert flash_dropout.Tiling.parse(str(tiling)) == tiling

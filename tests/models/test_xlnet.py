@@ -216,3 +216,67 @@ def test_shift_rows_takes_each_rows_window_and_puts_the_gradient_back(columns, w
   gathered, gathered_vjp = jax.vjp(lambda x: jnp.take_along_axis(x, window, axis=-1), scores)
   np.testing.assert_array_equal(ours, gathered)
   np.testing.assert_array_equal(ours_vjp(cotangent)[0], gathered_vjp(cotangent)[0])
+
+
+LONG = dataclasses.replace(SMALL, n_layer=2, n_head=2, d_head=16, mem_len=64, reuse_len=32, bi_data=True)
+
+
+def long_features(rng, num_predict):
+  """A permutation-LM batch of 2 rows of 64 tokens (lengths the Triton kernel tiles), `num_predict` targets each."""
+  seq, batch = 64, 2
+  perm_mask = np.zeros((batch, seq, seq), np.float32)
+  target_mapping = np.zeros((batch, num_predict, seq), np.float32)
+  for b in range(batch):
+    positions = np.sort(rng.choice(seq, num_predict, replace=False))
+    order = np.full(seq, -1)
+    order[positions] = rng.permutation(num_predict)
+    perm_mask[b] = (order[:, None] <= order[None, :]) & (order >= 0)[None, :]
+    target_mapping[b, np.arange(num_predict), positions] = 1.0
+  return {"input_ids": rng.integers(0, LONG.vocab_size, (batch, seq)).astype(np.int32),
+          "segment_ids": np.tile(np.repeat(np.array([0, 1, 2], np.int32), [40, 23, 1]), (batch, 1)),
+          "perm_mask": perm_mask, "target_mapping": target_mapping}
+
+
+@pytest.mark.parametrize("num_predict", [64, 20], ids=["both streams in the kernel", "query stream in XLA"])
+def test_the_triton_kernel_with_a_bias_computes_what_xla_does(num_predict):
+  """attention_implementation='triton' (the kernel interpreted on the CPU) against 'xla', deterministic: the
+  logits, the new memory and every parameter's gradient. 20 predictions do not tile: that stream stays XLA's."""
+  rng = np.random.default_rng(6)
+  features, mems = long_features(rng, num_predict), rng.standard_normal((2, 2, 64, 32)).astype(np.float32)
+  models = {name: XLNetLMHeadModel(dataclasses.replace(LONG, attention_implementation=name))
+            for name in ("xla", "triton")}
+  params = nn.unbox(models["xla"].init(jax.random.PRNGKey(0), features)["params"])
+  weights = rng.standard_normal((2, num_predict, LONG.vocab_size)).astype(np.float32)
+
+  def run(name):
+    def loss(params):
+      out = models[name].apply({"params": params}, features, mems=mems)
+      return (out["logits"] * weights).sum(), out
+    return jax.grad(loss, has_aux=True)(params)
+
+  (grads, out), (xla_grads, xla_out) = run("triton"), run("xla")
+  np.testing.assert_allclose(out["logits"], xla_out["logits"], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(out["new_mems"], xla_out["new_mems"], rtol=1e-5, atol=1e-5)
+  for path, grad in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    np.testing.assert_allclose(grad, dict(jax.tree_util.tree_flatten_with_path(xla_grads)[0])[path], rtol=1e-3,
+                               atol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_triton_kernel_drops_out_attention_in_training():
+  rng = np.random.default_rng(7)
+  features = long_features(rng, 64)
+  model = XLNetLMHeadModel(dataclasses.replace(LONG, attention_implementation="triton", dropout_rate=0.1))
+  params = model.init(jax.random.PRNGKey(0), features)["params"]
+  logits = [np.asarray(model.apply({"params": params}, features, deterministic=False,
+                                   rngs={"dropout": jax.random.PRNGKey(seed)})["logits"]) for seed in (1, 1, 2)]
+  assert np.isfinite(logits[0]).all() and np.array_equal(logits[0], logits[1])
+  assert not np.allclose(logits[0], logits[2])
+
+
+def test_xlnet_attention_takes_its_own_implementations():
+  with pytest.raises(ValueError, match="attention_implementation='cudnn': expected one of auto, xla, triton"):
+    XLNetConfig(attention_implementation="cudnn")
+  device = jax.devices()[0]
+  assert XLNetFamily(SMALL).for_device(device).config.attention_implementation == "xla"  # 'auto'
+  triton = XLNetFamily(dataclasses.replace(SMALL, attention_implementation="triton"))
+  assert triton.for_device(device).config.attention_implementation == "triton"  # a CPU interprets it

@@ -22,21 +22,22 @@ SMALL = XLNetConfig(vocab_size=100, d_model=32, n_layer=3, n_head=4, d_head=8, d
 TOLERANCE = 1e-4
 
 
-def plm_features(rng, batch, num_targets=(NUM_PREDICT,)):
+def plm_features(rng, batch, num_targets=(NUM_PREDICT,), seq=SEQ, num_predict=NUM_PREDICT):
   """A permutation-LM batch built like the reference's _local_perm: context tokens are visible to all
   and see no target; targets see the context and the targets earlier in a random order."""
-  num_targets = list(num_targets) + [NUM_PREDICT] * (batch - len(num_targets))
-  perm_mask = np.zeros((batch, SEQ, SEQ), np.float32)
-  target_mapping = np.zeros((batch, NUM_PREDICT, SEQ), np.float32)
+  num_targets = list(num_targets) + [num_predict] * (batch - len(num_targets))
+  perm_mask = np.zeros((batch, seq, seq), np.float32)
+  target_mapping = np.zeros((batch, num_predict, seq), np.float32)
   for b in range(batch):
-    positions = np.sort(rng.choice(SEQ - 1, num_targets[b], replace=False))
-    order = np.full(SEQ, -1)
+    positions = np.sort(rng.choice(seq - 1, num_targets[b], replace=False))
+    order = np.full(seq, -1)
     order[positions] = rng.permutation(num_targets[b])
     is_target = order >= 0
     perm_mask[b] = (order[:, None] <= order[None, :]) & is_target[None, :]
     target_mapping[b, np.arange(num_targets[b]), positions] = 1.0  # rows past num_targets stay padding
-  segment_ids = np.array([0] * 9 + [1] * 6 + [2], np.int32)  # A, B, <cls> as in the reference records
-  return {"input_ids": rng.integers(0, SMALL.vocab_size, (batch, SEQ)).astype(np.int32),
+  first = seq * 9 // 16
+  segment_ids = np.repeat(np.array([0, 1, 2], np.int32), [first, seq - first - 1, 1])  # A, B, <cls> as the reference
+  return {"input_ids": rng.integers(0, SMALL.vocab_size, (batch, seq)).astype(np.int32),
           "segment_ids": np.tile(segment_ids, (batch, 1)), "perm_mask": perm_mask, "target_mapping": target_mapping}
 
 
@@ -222,19 +223,8 @@ LONG = dataclasses.replace(SMALL, n_layer=2, n_head=2, d_head=16, mem_len=64, re
 
 
 def long_features(rng, num_predict):
-  """A permutation-LM batch of 2 rows of 64 tokens (lengths the Triton kernel tiles), `num_predict` targets each."""
-  seq, batch = 64, 2
-  perm_mask = np.zeros((batch, seq, seq), np.float32)
-  target_mapping = np.zeros((batch, num_predict, seq), np.float32)
-  for b in range(batch):
-    positions = np.sort(rng.choice(seq, num_predict, replace=False))
-    order = np.full(seq, -1)
-    order[positions] = rng.permutation(num_predict)
-    perm_mask[b] = (order[:, None] <= order[None, :]) & (order >= 0)[None, :]
-    target_mapping[b, np.arange(num_predict), positions] = 1.0
-  return {"input_ids": rng.integers(0, LONG.vocab_size, (batch, seq)).astype(np.int32),
-          "segment_ids": np.tile(np.repeat(np.array([0, 1, 2], np.int32), [40, 23, 1]), (batch, 1)),
-          "perm_mask": perm_mask, "target_mapping": target_mapping}
+  """2 rows of 64 tokens (lengths the Triton kernel tiles) with `num_predict` prediction rows, one padding."""
+  return plm_features(rng, 2, [num_predict - 1] * 2, seq=64, num_predict=num_predict)
 
 
 @pytest.mark.parametrize("num_predict", [64, 20], ids=["both streams in the kernel", "query stream in XLA"])

@@ -12,6 +12,8 @@ program is made of instead:
 - the optimizer's update and the schedule as JAX traces them for the state's shapes (not the model: their
   hyperparameters are constants in what they trace).
 Any change to these misses: the step is traced and compiled as before (through JAX's cache) and kept again.
+Code outside those packages is not in the key: after changing a model or optimizer defined elsewhere (a module
+gin imports), delete COMPILATION_CACHE_DIR/train_step.
 
 Entries are COMPILATION_CACHE_DIR/train_step/<key> (local or gs://; 'none' turns this off with JAX's cache).
 Process 0 writes them. Each holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a

@@ -113,7 +113,9 @@ def _load(path: epath.Path, setup: steps.Setup, warn) -> Optional[jax.stages.Com
     return None
   try:
     payload, in_tree, out_tree = pickle.loads(body)
-    compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    devices = list(setup.mesh.devices.flat)  # the program's devices, in its order (not all the backend's)
+    compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, backend=devices[0].client,
+                                                         execution_devices=devices)
   except Exception as e:
     warn(f"could not load the cached train step {path} ({type(e).__name__}: {e}); tracing and compiling it")
     return None

@@ -58,35 +58,33 @@ def inputs(args, dtype):
   return (q, k, v), weights, layers.AttentionMask(query_valid=valid, key_valid=valid), jax.random.key(0)
 
 
-def attention_step(implementation: str, rate: float, weights, mask, rng):
-  """jit of (q, k, v) -> (loss, gradients) through layers.dot_product_attention in training mode."""
+def weighted_step(attend, weights):
+  """jit of (q, k, v) -> (loss, gradients) of `attend`'s output weighted by `weights`, summed."""
   import jax
   import jax.numpy as jnp
 
-  from models import layers
-  from models.dropout import Dropout
-
-  def loss(q, k, v):
-    out = Dropout(rate).apply({}, method=lambda dropout: layers.dot_product_attention(
-        q, k, v, mask, implementation=implementation, dropout=dropout, deterministic=False), rngs={"dropout": rng})
-    return (out.astype(jnp.float32) * weights.astype(jnp.float32)).sum()
-
+  loss = lambda q, k, v: (attend(q, k, v).astype(jnp.float32) * weights.astype(jnp.float32)).sum()
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
+def attention_step(implementation: str, rate: float, weights, mask, rng):
+  """weighted_step through layers.dot_product_attention in training mode."""
+  from models import layers
+  from models.dropout import Dropout
+  return weighted_step(lambda q, k, v: Dropout(rate).apply({}, method=lambda dropout: layers.dot_product_attention(
+      q, k, v, mask, implementation=implementation, dropout=dropout, deterministic=False), rngs={"dropout": rng}),
+      weights)
+
+
 def tiled_step(tiling, rate: float, weights, mask, rng):
-  """jit of (q, k, v) -> (loss, gradients) through the Triton kernel called directly with `tiling`."""
+  """weighted_step through the Triton kernel called directly with `tiling`."""
   import jax
   import jax.numpy as jnp
 
   from models import flash_dropout
   seed, key_valid = jax.random.bits(rng, (2,), jnp.uint32), mask.key_valid.astype(jnp.int32)
-
-  def loss(q, k, v):
-    out = flash_dropout.attention(q, k, v, key_valid=key_valid, rate=rate, seed=seed, tiling=tiling)
-    return (out.astype(jnp.float32) * weights.astype(jnp.float32)).sum()
-
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  return weighted_step(lambda q, k, v: flash_dropout.attention(q, k, v, key_valid=key_valid, rate=rate, seed=seed,
+                                                               tiling=tiling), weights)
 
 
 def triton_error(qkv, weights, mask, rate: float, tiling) -> float:

@@ -242,8 +242,7 @@ def dot_product_attention(query, key, value, mask: AttentionMask, *, implementat
   if fused_attention_applies(implementation, dtype=query.dtype, head_dim=head_dim, query_length=query_length,
                              key_length=key_length, dropout_rate=dropout.rate, deterministic=deterministic):
     if implementation == "triton":
-      return _triton_attention(query, key, value, mask, 0.0 if deterministic else dropout.rate,
-                               None if deterministic or dropout.rate == 0 else dropout.hash_seed())
+      return _triton_attention(query, key, value, mask, dropout, deterministic)
     fused = {"cudnn": _cudnn_attention, "pallas": _pallas_attention, "splash": _splash_attention}[implementation]
     return fused(query, key, value, mask)
   query = query / jnp.sqrt(head_dim).astype(query.dtype)
@@ -277,8 +276,13 @@ def _pallas_attention(query, key, value, mask: AttentionMask) -> jax.Array:
   return _per_device(attend, query, key, value, mask)
 
 
-def _triton_attention(query, key, value, mask: AttentionMask, rate: float, seed, bias=None) -> jax.Array:
-  """models/flash_dropout.py's kernels, per device under the mesh; each device's masks under its own seed."""
+def _triton_attention(query, key, value, mask: AttentionMask, dropout: Dropout, deterministic: bool,
+                      bias=None) -> jax.Array:
+  """models/flash_dropout.py's kernels, per device under the mesh, the probabilities dropped out in training;
+  each device's masks under its own seed."""
+  rate = 0.0 if deterministic else dropout.rate
+  seed = dropout.hash_seed() if rate else None
+
   def attend(q, k, v, segments, device_index, bias=None):
     return flash_dropout.attention(q, k, v, key_valid=None if segments is None else segments[1], causal=mask.causal,
                                    rate=rate, seed=None if seed is None else flash_dropout.fold_in(seed, device_index),
@@ -292,8 +296,7 @@ def biased_attention(query, key, value, bias, *, dropout: Dropout, deterministic
   (models/flash_dropout.py), `bias` [batch, heads, q, k] differentiated too (XLNet's position and segment
   scores, its mask in them), the probabilities dropped out by the kernel in training. Callers check
   `flash_dropout.applies` first."""
-  rate = 0.0 if deterministic else dropout.rate
-  return _triton_attention(query, key, value, AttentionMask(), rate, dropout.hash_seed() if rate else None, bias)
+  return _triton_attention(query, key, value, AttentionMask(), dropout, deterministic, bias)
 
 
 def _splash_attention(query, key, value, mask: AttentionMask) -> jax.Array:

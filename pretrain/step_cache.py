@@ -51,14 +51,12 @@ def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], writ
                         warn: Callable[[str], None]) -> Tuple[jax.stages.Compiled, bool]:
   """The train step compiled for `setup`, and whether it came from the cache in `cache_directory` (None: no
   cache) untraced. `write`: keep a step compiled here (process 0). Problems with an entry go to `warn`."""
-  if cache_directory is None:
-    return steps.lower_train_step(setup).compile(), False
-  path = epath.Path(cache_directory) / SUBDIRECTORY / key(setup)
-  loaded = _load(path, setup, warn)
+  path = None if cache_directory is None else epath.Path(cache_directory) / SUBDIRECTORY / key(setup)
+  loaded = None if path is None else _load(path, setup, warn)
   if loaded is not None:
     return loaded, True
   compiled = steps.lower_train_step(setup).compile()
-  if write:
+  if path is not None and write:
     _keep(path, compiled, warn)
   return compiled, False
 

@@ -16,8 +16,10 @@ Code outside those packages is not in the key: after changing a model or optimiz
 gin imports), delete COMPILATION_CACHE_DIR/train_step.
 
 Entries are COMPILATION_CACHE_DIR/train_step/<key> (local or gs://; 'none' turns this off with JAX's cache).
-Process 0 writes them. Each holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a
-warning, and the step is compiled. Loading an executable runs code from it, as JAX's own cache does: keep the
+Process 0 writes them, and keeps the KEPT newest: each changed setting or edit of the code adds one (an
+executable: 11 MB for BERT-base on a CPU), so an unbounded directory would grow with every experiment. Each
+holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a warning, and the step is
+compiled. Loading an executable runs code from it, as JAX's own cache does: keep the
 cache where only your runs write.
 """
 import functools
@@ -26,6 +28,7 @@ import importlib.metadata
 import os
 import pickle
 import re
+import time
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Tuple
@@ -45,6 +48,9 @@ _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy")
 _ENVIRONMENT = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _WHERE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_")  # where programs are kept, not what they are
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")  # a function's repr: another per process
+KEPT = 4  # entries a cache keeps, the newest written
+_PARTIAL = ".partial"
+_ABANDONED_AFTER_SECONDS = 3600  # a partial write this old was left by a process stopped while writing
 
 
 def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], write: bool,
@@ -129,9 +135,29 @@ def _keep(path: epath.Path, compiled: jax.stages.Compiled, warn) -> None:
   try:
     body = pickle.dumps(serialize_executable.serialize(compiled))
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.parent / f".{path.name}.{uuid.uuid4().hex}.partial"
+    partial = path.parent / f".{path.name}.{uuid.uuid4().hex}{_PARTIAL}"
     partial.write_bytes(_HEADER + hashlib.sha256(body).digest() + body)
     partial.replace(path)  # whole or not at all: a start that reads it meanwhile finds none, or the old one
   except Exception as e:  # a cache that cannot be written costs the next start a trace, not this run
     warn(f"could not keep the compiled train step in {path} ({type(e).__name__}: {e}); the next start traces it "
          "again")
+    return
+  try:
+    prune(path.parent, keep=KEPT, newest=path)
+  except Exception as e:
+    warn(f"could not remove old train steps from {path.parent} ({type(e).__name__}: {e})")
+
+
+def prune(directory: epath.Path, keep: int, newest: epath.Path) -> None:
+  """Removes from `directory` all entries but `newest` and the keep - 1 written last before it, and the
+  partial writes of processes stopped while writing."""
+  entries, abandoned = [], []
+  for path in directory.iterdir():
+    modified = path.stat().mtime
+    if path.name.endswith(_PARTIAL):
+      if modified < time.time() - _ABANDONED_AFTER_SECONDS:
+        abandoned.append(path)
+    elif path.name != newest.name:
+      entries.append((modified, path.name, path))
+  for path in [path for *_, path in sorted(entries, reverse=True)[keep - 1:]] + abandoned:
+    path.unlink(missing_ok=True)  # another process may have removed it first

@@ -1,12 +1,15 @@
 """The train step cache's key (`pretrain.step_cache`): the same run's settings give the same key, in this
 process and another, and each kind of thing a train step is made of changes it. Its loads, misses and damaged
 entries in real runs are in test_compilation_cache.py."""
+import os
 import re
 import runpy
 import shutil
 import sys
+import time
 
 import pytest
+from etils import epath
 
 from helpers import ROOT, run, step_cache_key
 from pretrain import step_cache
@@ -38,6 +41,19 @@ def test_a_changed_source_file_changes_the_key(tmp_path):
   layers.write_text(layers.read_text() + "\n# a comment is a change: nothing reads code to know what matters\n")
   assert step_cache.source_digest(tmp_path / "same") == step_cache.source_digest(ROOT)
   assert step_cache.source_digest(tmp_path / "changed") != step_cache.source_digest(ROOT)
+
+
+def test_a_cache_keeps_its_newest_entries_and_removes_abandoned_partial_writes(tmp_path):
+  now = time.time()
+  seconds_old = {"a": 50, "b": 40, "c": 30, "d": 20, "e": 10,
+                 "just_kept": 100,  # kept, whatever its time says (another clock than the others')
+                 ".c.1.partial": 2 * 3600,  # a process stopped while writing
+                 ".g.2.partial": 5}  # a write under way
+  for name, age in seconds_old.items():
+    (tmp_path / name).write_bytes(b"an executable")
+    os.utime(tmp_path / name, (now - age, now - age))
+  step_cache.prune(epath.Path(tmp_path), keep=3, newest=epath.Path(tmp_path / "just_kept"))
+  assert sorted(p.name for p in tmp_path.iterdir()) == [".g.2.partial", "d", "e", "just_kept"]
 
 
 def test_the_step_loading_benchmark_loads_the_step_untraced(capsys, monkeypatch):

@@ -64,12 +64,15 @@ CHIPS = {
 }
 # Peak dense bf16 FLOP/s of one GPU from NVIDIA's datasheets, which give Tensor Core figures "with
 # sparsity", twice the dense ones: A100 624 TFLOP/s (SXM and PCIe); H100 1979 (SXM), 1671 (NVL), 1513
-# (PCIe); H200 1979 (SXM, as GH200), 1671 (NVL); L4 242. V100 has no bf16 nor sparsity: fp16 Tensor 125
+# (PCIe); H200 1979 (SXM, as GH200), 1671 (NVL); L4 242; per GPU of HGX B200 (36 PFLOP/s for 8) 4500, of
+# GB200 NVL72 (360 PFLOP/s for 72) 5000. V100 has no bf16 nor sparsity: fp16 Tensor 125
 # (SXM2), 112 (PCIe). A pattern is a whole word of jax's device_kind ('NVIDIA H100 80GB HBM3',
 # 'Tesla V100-SXM2-16GB'); the first match wins.
 # AWS's A10G has no NVIDIA datasheet: left out (MFU n/a) rather than guessed.
 GPUS = (
     ("A100", 312e12),
+    ("GB200", 2500e12),
+    ("B200", 2250e12),
     ("GH200", 989e12),
     ("H200 NVL", 835e12),
     ("H200", 989e12),

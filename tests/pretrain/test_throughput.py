@@ -28,6 +28,8 @@ def device(kind, num_cores=1):
     ("NVIDIA H100 80GB HBM3", 132, 989e12),
     ("NVIDIA H100 PCIe", 114, 756e12),
     ("NVIDIA L4", 58, 121e12),
+    ("NVIDIA B200", 148, 2250e12),
+    ("NVIDIA GB200", 148, 2500e12),  # its B200s run at more power than an HGX B200's: their own peak
     ("Tesla V100-SXM2-16GB", 80, 125e12),
 ])
 def test_peak_flops_per_device(kind, num_cores, peak):

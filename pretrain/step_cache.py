@@ -153,11 +153,14 @@ def prune(directory: epath.Path, keep: int, newest: epath.Path) -> None:
   partial writes of processes stopped while writing."""
   entries, abandoned = [], []
   for path in directory.iterdir():
-    modified = path.stat().mtime
+    try:
+      modified = path.stat().mtime
+    except FileNotFoundError:  # removed or renamed by another process since the listing
+      continue
     if path.name.endswith(_PARTIAL):
       if modified < time.time() - _ABANDONED_AFTER_SECONDS:
         abandoned.append(path)
     elif path.name != newest.name:
       entries.append((modified, path.name, path))
   for path in [path for *_, path in sorted(entries, reverse=True)[keep - 1:]] + abandoned:
-    path.unlink(missing_ok=True)  # another process may have removed it first
+    path.unlink(missing_ok=True)

@@ -5,6 +5,7 @@
 # only itself. A line per check at the end says how each ended.
 #
 #   bash benchmarks/gpu_checks.sh SECONDS [CHECK ...]      (default: every check, in the order below)
+#   bash benchmarks/gpu_checks.sh --list                   (each check as NAME|SECONDS|COMMAND, running none)
 #
 # The lent machine has jax, torch and transformers but no gin-config; beforehand, here:
 #   pip download --no-deps --dest .whl gin-config==0.5.0   (and carry .whl; it is installed under /tmp)
@@ -13,22 +14,13 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-if [[ $# -lt 1 || ! $1 =~ ^[0-9]+$ ]]; then
-  echo "usage: bash benchmarks/gpu_checks.sh SECONDS [CHECK ...]" >&2
+if [[ $# -lt 1 || ! $1 =~ ^([0-9]+|--list)$ ]]; then
+  echo "usage: bash benchmarks/gpu_checks.sh SECONDS [CHECK ...] | --list" >&2
   exit 2
 fi
-deadline=$((SECONDS + $1))
-shift
 device=${DEVICE:-gpu}
 sizes=${SIZES:-large}
 python=${PYTHON:-python3}
-out=${OUT:-/tmp/gpu_checks}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" > /dev/null; then
-  $python -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_checks_site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/gpu_checks_site${PYTHONPATH:+:$PYTHONPATH}
-fi
 
 train_step="$python benchmarks/train_step.py --device=$device --sizes=$sizes --repeats=5 --warmup=2"
 # name | seconds it usually takes on an H200 (each large model compiles in 1-2.5 minutes) | command
@@ -40,10 +32,23 @@ checks=(
   "xlnet_masks|300|$train_step --families=xlnet --dropout_masks=bernoulli,hashed"
   "bert_masks|360|$train_step --families=bert --dropout_masks=bernoulli,packed,hashed"
 )
+if [[ $1 == --list ]]; then
+  printf '%s\n' "${checks[@]}"
+  exit 0
+fi
+deadline=$((SECONDS + $1))
+shift
 known=$(printf '%s\n' "${checks[@]}" | cut -d'|' -f1 | tr '\n' ' ')
 for wanted in "$@"; do
   [[ " $known" == *" $wanted "* ]] || { echo "unknown check $wanted: expected some of $known" >&2; exit 2; }
 done
+out=${OUT:-/tmp/gpu_checks}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $python -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_checks_site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/gpu_checks_site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 summary=()
 for check in "${checks[@]}"; do

@@ -54,7 +54,7 @@ def measure(name: str, size_name: str, device) -> dict:
           "jax cache": lowering + jax_load, "step cache": step_load}
 
 
-def main(argv) -> None:
+def make_parser() -> argparse.ArgumentParser:
   sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), REPO]
   from train_step import DEVICES, FAMILY_NAMES, SIZE_NAMES, names
   parser = argparse.ArgumentParser(prog="python benchmarks/step_loading.py", description=__doc__,
@@ -63,7 +63,11 @@ def main(argv) -> None:
   parser.add_argument("--sizes", type=lambda s: names(s, SIZE_NAMES), default=["tiny"],
                       help=f"comma-separated, of {','.join(SIZE_NAMES)} (default: tiny)")
   parser.add_argument("--device", choices=DEVICES, default="cpu")
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv) -> None:
+  args = make_parser().parse_args(argv)
   if args.device == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
   import jax

@@ -11,23 +11,27 @@ program is made of instead:
   dtypes and shardings;
 - the optimizer's update and the schedule as JAX traces them for the state's shapes (not the model: their
   hyperparameters are constants in what they trace).
-Any change to these misses: the step is traced and compiled as before (through JAX's cache) and kept again.
+Any change to these misses: the step is traced and compiled as before (through JAX's cache) and kept again,
+if XLA compiled it: one that JAX's cache gave is not kept (XLA's CPU executable, loaded and serialized again,
+has lost its kernels), so starts trace it until a changed program compiles.
 Code outside those packages is not in the key: after changing a model or optimizer defined elsewhere (a module
 gin imports), delete COMPILATION_CACHE_DIR/train_step.
 
 Entries are COMPILATION_CACHE_DIR/train_step/<key> (local or gs://; 'none' turns this off with JAX's cache).
 Process 0 writes them, and keeps the KEPT newest: each changed setting or edit of the code adds one (an
 executable: 11 MB for BERT-base on a CPU), so an unbounded directory would grow with every experiment. Each
-holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a warning, and the step is
-compiled. Loading an executable runs code from it, as JAX's own cache does: keep the
+holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a warning (and removed by process
+0), and the step is compiled. Loading an executable runs code from it, as JAX's own cache does: keep the
 cache where only your runs write.
 """
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import os
 import pickle
 import re
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 from etils import epath
 from jax.experimental import serialize_executable
 
-from pretrain import steps
+from pretrain import compilation_cache, steps
 
 SUBDIRECTORY = "train_step"
 _HEADER = b"pod-pretrain train step\n"
@@ -58,13 +62,31 @@ def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], writ
   """The train step compiled for `setup`, and whether it came from the cache in `cache_directory` (None: no
   cache) untraced. `write`: keep a step compiled here (process 0). Problems with an entry go to `warn`."""
   path = None if cache_directory is None else epath.Path(cache_directory) / SUBDIRECTORY / key(setup)
-  loaded = None if path is None else _load(path, setup, warn)
+  loaded = None if path is None else _load(path, setup, warn, remove_damaged=write)
   if loaded is not None:
     return loaded, True
-  compiled = steps.lower_train_step(setup).compile()
-  if path is not None and write:
+  with _persistent_cache_hits() as hits:
+    compiled = steps.lower_train_step(setup).compile()
+  # An executable that JAX's cache gave is not kept again: XLA's CPU executable, loaded and serialized again,
+  # has lost its kernels (running it fails: "Function ... not found"). The next start traces it again.
+  if path is not None and write and not hits:
     _keep(path, compiled, warn)
   return compiled, False
+
+
+@contextlib.contextmanager
+def _persistent_cache_hits() -> Iterator[list]:
+  """Within: one item per executable that JAX's persistent cache gives this thread (others compile beside it)."""
+  thread, hits = threading.get_ident(), []
+
+  def heard(event: str, *_, **__) -> None:
+    if event == compilation_cache.CACHE_HIT and threading.get_ident() == thread:
+      hits.append(event)
+  jax.monitoring.register_event_listener(heard)
+  try:
+    yield hits
+  finally:
+    jax.monitoring.unregister_event_listener(heard)
 
 
 def key(setup: steps.Setup) -> str:
@@ -102,7 +124,9 @@ def source_digest(root: Path = CHECKOUT) -> str:
   return digest.hexdigest()
 
 
-def _load(path: epath.Path, setup: steps.Setup, warn) -> Optional[jax.stages.Compiled]:
+def _load(path: epath.Path, setup: steps.Setup, warn, remove_damaged: bool) -> Optional[jax.stages.Compiled]:
+  """The entry at `path` loaded for `setup`, None if there is none or it cannot serve (said to `warn`); a
+  damaged one is removed if `remove_damaged`, so that later starts do not warn again."""
   try:
     if not path.exists():
       return None
@@ -113,7 +137,7 @@ def _load(path: epath.Path, setup: steps.Setup, warn) -> Optional[jax.stages.Com
   body = contents[len(_HEADER) + 32:]
   if contents[:len(_HEADER)] != _HEADER or contents[len(_HEADER):len(_HEADER) + 32] != hashlib.sha256(body).digest():
     warn(f"ignoring the cached train step {path}: its checksum does not match (a write cut short or a damaged "
-         "file); tracing and compiling it")
+         f"file){_removed(path, remove_damaged)}; tracing and compiling it")
     return None
   try:
     payload, in_tree, out_tree = pickle.loads(body)
@@ -121,7 +145,8 @@ def _load(path: epath.Path, setup: steps.Setup, warn) -> Optional[jax.stages.Com
     compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree, backend=devices[0].client,
                                                          execution_devices=devices)
   except Exception as e:
-    warn(f"could not load the cached train step {path} ({type(e).__name__}: {e}); tracing and compiling it")
+    warn(f"could not load the cached train step {path} ({type(e).__name__}: {e}){_removed(path, remove_damaged)}; "
+         "tracing and compiling it")
     return None
   wanted = jax.tree.structure(((setup.sharded_abstract_state(), setup.sharded_batch_shapes()), {}))
   if compiled.in_tree != wanted:
@@ -129,6 +154,17 @@ def _load(path: epath.Path, setup: steps.Setup, warn) -> Optional[jax.stages.Com
          "tracing and compiling it")
     return None
   return compiled
+
+
+def _removed(path: epath.Path, remove: bool) -> str:
+  """Removes a damaged entry if `remove`: what to add to the warning that names it."""
+  if not remove:
+    return ""
+  try:
+    path.unlink(missing_ok=True)
+    return ", removed it"
+  except Exception as e:
+    return f", and could not remove it ({type(e).__name__}: {e})"
 
 
 def _keep(path: epath.Path, compiled: jax.stages.Compiled, warn) -> None:

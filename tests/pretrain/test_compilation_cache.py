@@ -72,12 +72,24 @@ def test_a_damaged_train_step_entry_is_traced_and_compiled_with_a_warning(first_
   capsys.readouterr()
   again = cached_run(tmp_path / "run", tmp_path / "cache", 2)
   out = capsys.readouterr().out
-  assert f"ignoring the cached train step {entry}: its checksum does not match" in out, out
-  assert "could not keep" not in out, out
+  assert f"ignoring the cached train step {entry}: its checksum does not match (a write cut short or a damaged " \
+         "file), removed it; tracing and compiling it" in out, out
   assert len(step_traces) == 1 and again["steps"] == 2
   assert again["compiled"] == 0, again  # JAX's cache, keyed by the traced program, serves its compile
-  jax.clear_caches()
-  assert step_cache._load(entry, step_traces[0], warn=pytest.fail) is not None  # kept whole again
+  assert step_entries(tmp_path / "cache") == []  # and a step that JAX's cache gave is not kept again (below)
+
+
+def test_a_step_that_jax_cache_gave_is_traced_at_each_start_not_kept(first_run, tmp_path, step_traces):
+  """XLA's CPU executable loaded from JAX's cache and serialized again has lost its kernels: kept, it would
+  load at the next start and fail at its first step ("Function ... not found"). Such a step is used, not kept."""
+  root, _ = first_run
+  for name in ("run", "cache"):
+    shutil.copytree(root / name, tmp_path / name)
+  shutil.rmtree(tmp_path / "cache" / step_cache.SUBDIRECTORY)  # the step's entry gone, JAX's still there
+  for steps_reached in (5, 6):  # past where the module's other tests leave the run (2 or 4)
+    resumed = cached_run(tmp_path / "run", tmp_path / "cache", steps_reached)
+    assert resumed["steps"] == steps_reached and resumed["compiled"] == 0, resumed
+  assert len(step_traces) == 2 and not (tmp_path / "cache" / step_cache.SUBDIRECTORY).exists()
 
 
 def test_a_damaged_entry_is_compiled_again_with_a_warning(first_run, tmp_path):

@@ -18,7 +18,8 @@ from pretrain.errors import TrainingStopped
 
 
 def immutable(path, on: bool):
-  subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True, capture_output=True)
+  if on or path.exists():  # a run that failed early made no metrics.jsonl: its own error is the one to show
+    subprocess.run(["chattr", "+i" if on else "-i", str(path)], check=True, capture_output=True)
 
 
 @pytest.fixture

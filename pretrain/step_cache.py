@@ -60,7 +60,8 @@ _ABANDONED_AFTER_SECONDS = 3600  # a partial write this old was left by a proces
 def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], write: bool,
                         warn: Callable[[str], None]) -> Tuple[jax.stages.Compiled, bool]:
   """The train step compiled for `setup`, and whether it came from the cache in `cache_directory` (None: no
-  cache) untraced. `write`: keep a step compiled here (process 0). Problems with an entry go to `warn`."""
+  cache) untraced. `write` (process 0): keep a step that XLA compiled here, and remove a damaged entry.
+  Problems with an entry go to `warn`."""
   path = None if cache_directory is None else epath.Path(cache_directory) / SUBDIRECTORY / key(setup)
   loaded = None if path is None else _load(path, setup, warn, remove_damaged=write)
   if loaded is not None:

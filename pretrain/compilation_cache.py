@@ -14,6 +14,7 @@ miss: it warns, compiles, and the run goes on. A cache it cannot write to costs 
 """
 import contextlib
 import dataclasses
+import threading
 from typing import Iterator, Optional
 
 import jax
@@ -88,6 +89,22 @@ def used(setting: Optional[str], model_dir: str) -> Iterator[Compiles]:
     jax.monitoring.unregister_event_listener(count)
     jax.monitoring.unregister_event_duration_listener(count)
     _configure(saved["jax_compilation_cache_dir"], {k: v for k, v in saved.items() if k != "jax_compilation_cache_dir"})
+
+
+@contextlib.contextmanager
+def hits_in_this_thread() -> Iterator[list]:
+  """Within: one item per executable that JAX's persistent cache gives this thread's compiles (others may
+  compile beside it: the train step compiles beside the init)."""
+  thread, hits = threading.get_ident(), []
+
+  def heard(event: str, *_, **__) -> None:
+    if event == CACHE_HIT and threading.get_ident() == thread:
+      hits.append(event)
+  jax.monitoring.register_event_listener(heard)
+  try:
+    yield hits
+  finally:
+    jax.monitoring.unregister_event_listener(heard)
 
 
 def _configure(directory: Optional[str], settings: dict) -> None:

@@ -24,14 +24,12 @@ holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a wa
 0), and the step is compiled. Loading an executable runs code from it, as JAX's own cache does: keep the
 cache where only your runs write.
 """
-import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import os
 import pickle
 import re
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -66,28 +64,13 @@ def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], writ
   loaded = None if path is None else _load(path, setup, warn, remove_damaged=write)
   if loaded is not None:
     return loaded, True
-  with _persistent_cache_hits() as hits:
+  with compilation_cache.hits_in_this_thread() as hits:
     compiled = steps.lower_train_step(setup).compile()
   # An executable that JAX's cache gave is not kept again: XLA's CPU executable, loaded and serialized again,
   # has lost its kernels (running it fails: "Function ... not found"). The next start traces it again.
   if path is not None and write and not hits:
     _keep(path, compiled, warn)
   return compiled, False
-
-
-@contextlib.contextmanager
-def _persistent_cache_hits() -> Iterator[list]:
-  """Within: one item per executable that JAX's persistent cache gives this thread (others compile beside it)."""
-  thread, hits = threading.get_ident(), []
-
-  def heard(event: str, *_, **__) -> None:
-    if event == compilation_cache.CACHE_HIT and threading.get_ident() == thread:
-      hits.append(event)
-  jax.monitoring.register_event_listener(heard)
-  try:
-    yield hits
-  finally:
-    jax.monitoring.unregister_event_listener(heard)
 
 
 def key(setup: steps.Setup) -> str:
@@ -188,14 +171,14 @@ def _keep(path: epath.Path, compiled: jax.stages.Compiled, warn) -> None:
 def prune(directory: epath.Path, keep: int, newest: epath.Path) -> None:
   """Removes from `directory` all entries but `newest` and the keep - 1 written last before it, and the
   partial writes of processes stopped while writing."""
-  entries, abandoned = [], []
+  entries, abandoned, abandoned_before = [], [], time.time() - _ABANDONED_AFTER_SECONDS
   for path in directory.iterdir():
     try:
       modified = path.stat().mtime
     except FileNotFoundError:  # removed or renamed by another process since the listing
       continue
     if path.name.endswith(_PARTIAL):
-      if modified < time.time() - _ABANDONED_AFTER_SECONDS:
+      if modified < abandoned_before:
         abandoned.append(path)
     elif path.name != newest.name:
       entries.append((modified, path.name, path))

@@ -44,6 +44,9 @@ class Throughput:
     # Traced once (no compile), and only where there is a peak to compare it with.
     self.model_flops_per_step = roofline.model_flops_per_step(setup) if self.peak_flops_per_device else None
     self._input_over_threshold = False
+    # On a CPU the batches are made on the cores that run the steps, so a wait there idles no device: its share
+    # is shown, but the warning (and its advice, for hosts that feed accelerators) is not given.
+    self._warns_of_input_wait = setup.mesh.devices.flat[0].platform != "cpu"
     reads_row_streams = any(tasks.OBJECTIVES[objective].stream_reading for objective in setup.family.objectives)
     self._input_advice = ROW_STREAMS_ADVICE if reads_row_streams else SHARDS_ADVICE
     self._start_window(start_step)
@@ -69,10 +72,10 @@ class Throughput:
     return speed
 
   def input_warning(self, step: int, input_wait: float) -> Optional[str]:
-    """A line when the input wait goes over INPUT_WAIT_WARNING; none while it stays over."""
+    """A line when the input wait goes over INPUT_WAIT_WARNING; none while it stays over, nor on CPUs."""
     over, was_over = input_wait > INPUT_WAIT_WARNING, self._input_over_threshold
     self._input_over_threshold = over
-    if not over or was_over:
+    if not over or was_over or not self._warns_of_input_wait:
       return None
     return (f"warning: the train loop waited for input {input_wait:.0%} of the time up to step {step} (over "
             f"{INPUT_WAIT_WARNING:.0%}): the devices may idle. {self._input_advice}; time one host's input with "

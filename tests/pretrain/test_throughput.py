@@ -12,7 +12,8 @@ from pretrain.families.xlnet import XLNetFamily
 
 
 def device(kind, num_cores=1):
-  return SimpleNamespace(device_kind=kind, num_cores=num_cores)
+  platform = "cpu" if kind == "cpu" else "tpu" if kind.startswith("TPU") else "gpu"
+  return SimpleNamespace(device_kind=kind, num_cores=num_cores, platform=platform)
 
 
 @pytest.mark.parametrize("kind, num_cores, peak", [
@@ -86,12 +87,24 @@ def test_no_mfu_where_the_peak_is_unknown(monkeypatch):
   assert "mfu" not in speed and speed["step_time"] == pytest.approx(1.0)
 
 
-def test_the_input_warning_comes_once_while_the_wait_stays_high(monkeypatch):
-  meter, _ = eight_devices(monkeypatch, "cpu", None)
-  warnings = [meter.input_warning(step, wait) for step, wait in
-              [(100, 0.01), (200, 0.2), (300, 0.3), (400, 0.02), (500, 0.08)]]
+WAITS = [(100, 0.01), (200, 0.2), (300, 0.3), (400, 0.02), (500, 0.08)]  # (step, share of the time waiting)
+
+
+@pytest.mark.parametrize("kind", ["TPU v4", "NVIDIA H100 80GB HBM3"])
+def test_the_input_warning_comes_once_while_the_wait_stays_high(monkeypatch, kind):
+  meter, _ = eight_devices(monkeypatch, kind, lambda setup: 1e12)
+  warnings = [meter.input_warning(step, wait) for step, wait in WAITS]
   assert [w is not None for w in warnings] == [False, True, False, False, True]
   assert "20% of the time up to step 200" in warnings[1] and "benchmarks/input_pipeline.py" in warnings[1]
+
+
+def test_on_cpus_the_input_wait_is_measured_but_not_warned_of(monkeypatch):
+  meter, clock = eight_devices(monkeypatch, "cpu", None)
+  with meter.waiting_for_input():
+    clock.now += 0.3
+  clock.now += 0.7
+  assert meter.window(11)["input_wait"] == pytest.approx(0.3)
+  assert [meter.input_warning(step, wait) for step, wait in WAITS] == [None] * len(WAITS)
 
 
 @pytest.mark.parametrize("family, advice, not_advice", [
@@ -101,6 +114,6 @@ def test_the_input_warning_comes_once_while_the_wait_stays_high(monkeypatch):
     (XLNetFamily(), "token files (TOKEN_DIR", "more data shards"),
 ])
 def test_the_input_warning_advises_what_the_family_can_change(monkeypatch, family, advice, not_advice):
-  meter, _ = eight_devices(monkeypatch, "cpu", None, family)
+  meter, _ = eight_devices(monkeypatch, "TPU v4", lambda setup: 1e12, family)
   warning = meter.input_warning(100, 0.07)
   assert advice in warning and not_advice not in warning, warning

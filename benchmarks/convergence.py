@@ -17,8 +17,10 @@ our family computes. benchmarks/hf_reference.py builds both.
 
 Two checks, printed as a table:
 1. parity: with dropout off, the first `--parity_steps` training losses of the two agree within
-   `--parity_tolerance` (the largest relative difference is printed). This catches optimizer,
-   schedule and loss-normalisation differences that forward parity (the export check) cannot.
+   `--parity_tolerance` (the largest relative difference is printed). A run configured without dropout
+   (ALBERT's) gives them from its own first steps; the others train them from the same weights first.
+   This catches optimizer, schedule and loss-normalisation differences that forward parity (the export
+   check) cannot.
 2. convergence: with the run's dropout (0.1; ALBERT's is 0, as ALBERT v2's), the whole run; the loss on
    `--eval_batches` held-out batches (the same for both, the validation split) every `--eval_every`
    steps. Ours must end within `--final_tolerance` (2%) of HF's, and no evaluation may differ by more
@@ -155,11 +157,13 @@ def compare(name: str, bindings, args, device) -> dict:
     result["hf_seconds"] += time.perf_counter() - middle
     return our_loss, their_loss
 
-  quiet = without_dropout(family)
-  ours = OurTrainer(quiet, lengths, batch_size, settings, device, seed)
-  theirs = HFTrainer(quiet, batch_size, settings, ours.numpy_params(), seed)
-  for batch in first_batches:
-    result["parity"].append(step_both(ours, theirs, batch))
+  has_dropout = without_dropout(family) != family
+  if has_dropout:  # the parity steps are a run of their own; without dropout they are the run's first steps
+    quiet = without_dropout(family)
+    ours = OurTrainer(quiet, lengths, batch_size, settings, device, seed)
+    theirs = HFTrainer(quiet, batch_size, settings, ours.numpy_params(), seed)
+    for batch in first_batches:
+      result["parity"].append(step_both(ours, theirs, batch))
 
   ours = OurTrainer(family, lengths, batch_size, settings, device, seed)  # dropout on: the run as configured
   theirs = HFTrainer(family, batch_size, settings, ours.numpy_params(), seed)
@@ -179,6 +183,8 @@ def compare(name: str, bindings, args, device) -> dict:
     if step == settings.total_steps:
       break
     result["train"].append(step_both(ours, theirs, next(batches)))
+  if not has_dropout:
+    result["parity"] = result["train"][:args.parity_steps]
   if name in ("bert", "albert"):
     result["unigram_accuracy"] = unigram_accuracy(family, eval_batches)
   result["seconds"] = time.perf_counter() - started

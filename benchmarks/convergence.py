@@ -157,9 +157,8 @@ def compare(name: str, bindings, args, device) -> dict:
     result["hf_seconds"] += time.perf_counter() - middle
     return our_loss, their_loss
 
-  has_dropout = without_dropout(family) != family
-  if has_dropout:  # the parity steps are a run of their own; without dropout they are the run's first steps
-    quiet = without_dropout(family)
+  quiet = without_dropout(family)
+  if quiet != family:  # the parity steps are a run of their own; without dropout they are the run's first steps
     ours = OurTrainer(quiet, lengths, batch_size, settings, device, seed)
     theirs = HFTrainer(quiet, batch_size, settings, ours.numpy_params(), seed)
     for batch in first_batches:
@@ -183,7 +182,7 @@ def compare(name: str, bindings, args, device) -> dict:
     if step == settings.total_steps:
       break
     result["train"].append(step_both(ours, theirs, next(batches)))
-  if not has_dropout:
+  if quiet == family:
     result["parity"] = result["train"][:args.parity_steps]
   if name in ("bert", "albert"):
     result["unigram_accuracy"] = unigram_accuracy(family, eval_batches)

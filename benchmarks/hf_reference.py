@@ -256,16 +256,17 @@ class HFTrainer:
   """transformers' model of the family with torch.optim.AdamW, set up as `OurTrainer`'s optimizer is."""
 
   def __init__(self, family, batch_size: int, settings: AdamWSettings, params, seed: int = 0, device: str = "cpu",
-               compiled: bool = False):
+               compile_backend: Optional[str] = None):
     """`params`: our initial weights (numpy), which the model starts from; `seed`: torch's, for dropout.
     On a CUDA `device` it trains as people train it there: fp32 weights, bf16 autocast, fused AdamW, and
-    transformers' default attention for the model (sdpa where it has one). `compiled`: the model's forward
-    (and so its backward) through torch.compile, which compiles at the first step."""
+    transformers' default attention for the model (sdpa where it has one). `compile_backend` (e.g. 'inductor'):
+    the model's forward (and so its backward) through torch.compile with it, which compiles at the first step."""
     import torch
     torch.manual_seed(seed)
     self.family, self.batch_size, self.settings, self.device = family, batch_size, settings, torch.device(device)
     self.model = hf_model(family, params, **HF_TRAINING_CONFIG.get(family.name, {})).to(self.device)
-    self.forward_model = torch.compile(self.model) if compiled else self.model  # the same parameters
+    # the same parameters, compiled or not
+    self.forward_model = torch.compile(self.model, backend=compile_backend) if compile_backend else self.model
     no_decay = hf_no_decay_names(family, self.model, params)
     named = list(self.model.named_parameters())
     groups = [{"params": [p for n, p in named if n not in no_decay], "weight_decay": settings.weight_decay},

@@ -28,10 +28,11 @@ model drops them out in training (BERT: 0.1) our step runs XLA's attention for t
 `--prng_impl` lists the random-key implementations of our dropout to time side by side (JAX's default
 threefry2x32; rbg draws its bits with XLA's RngBitGenerator), and `--dropout_masks` the ways of drawing its
 masks (models/dropout.py: bernoulli, packed, hashed; auto is the chip's). `--hf_compile` adds transformers' model
-under torch.compile as another peer (its first warm-up step compiles it; the ratios stay against the plain
-one, and a line gives ours against it). `--profile=N` then traces N steps of each of
-ours and prints their device time by model source, layers folded (pretrain.op_profile); `--profile_dir`
-keeps each trace and compiled program there, for `python -m pretrain.op_profile` or TensorBoard.
+under torch.compile (inductor, or the backend that `--hf_compile=BACKEND` names) as another peer (its first
+warm-up step compiles it; the ratios stay against the plain one, and a line gives ours against it).
+`--profile=N` then traces N steps of each of ours and prints their device time by model source, layers folded
+(pretrain.op_profile); `--profile_dir` keeps each trace and compiled program there, for
+`python -m pretrain.op_profile` or TensorBoard.
 
 After `--warmup` steps of each (ours compiles ahead of its first), the steps are timed interleaved,
 ours then theirs, `--repeats` times; prints the median step time and tokens per second of each (input
@@ -57,6 +58,7 @@ import re
 import statistics
 import sys
 import time
+from typing import Optional
 
 FAMILY_NAMES = ("bert", "albert", "xlnet", "bart")
 DEVICES = ("cpu", "gpu", "tpu")
@@ -114,9 +116,10 @@ def make_parser() -> argparse.ArgumentParser:
                            f"{PRNG_IMPLS[0]})")
   parser.add_argument("--dropout_masks", type=lambda s: names(s, DROPOUT_MASKS), default=["auto"],
                       help="how our dropout draws its masks (models/dropout.py), side by side (default: auto)")
-  parser.add_argument("--hf_compile", action="store_true",
-                      help="also time transformers' model under torch.compile (it compiles in its first warm-up "
-                           "step, whose time is its compile figure)")
+  parser.add_argument("--hf_compile", nargs="?", const="inductor", metavar="BACKEND",
+                      help="also time transformers' model under torch.compile, with torch's default backend "
+                           "(inductor) or the one named, e.g. --hf_compile=aot_eager (it compiles in its first "
+                           "warm-up step, whose time is its compile figure)")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps of each, interleaved; medians are printed")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (ours compiles before them)")
   parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -296,16 +299,17 @@ def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: s
               trainer.num_params, init_s, time.perf_counter() - start, memory, trainer=trainer)
 
 
-def their_side(family, batch_size: int, numpy_batch, params, device: str, compiled: bool) -> Side:
-  """transformers' step from the same initial weights, its model under torch.compile if `compiled`; on a GPU,
-  its peak memory is torch's maximum allocated over its steps."""
+def their_side(family, batch_size: int, numpy_batch, params, device: str, compile_backend: Optional[str]) -> Side:
+  """transformers' step from the same initial weights, its model under torch.compile with `compile_backend` if
+  one is given; on a GPU, its peak memory is torch's maximum allocated over its steps."""
   import torch
   from hf_reference import AdamWSettings, HFTrainer
   settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)
   trainer = HFTrainer(family, batch_size, settings, params, device="cuda" if device == "gpu" else "cpu",
-                      compiled=compiled)
-  side = Side(f"HF {trainer.attention}" + (" compiled" if compiled else ""), None, trainer.num_params,
-              memory_bytes=0, compiles_on_first_step=compiled)
+                      compile_backend=compile_backend)
+  compiled = {None: "", "inductor": " compiled"}.get(compile_backend, f" compiled {compile_backend}")
+  side = Side(f"HF {trainer.attention}{compiled}", None, trainer.num_params, memory_bytes=0,
+              compiles_on_first_step=compile_backend is not None)
 
   def step():
     if trainer.on_gpu:
@@ -371,10 +375,10 @@ def compare(name: str, size_name: str, args, device) -> list:
       print(f"  {name} {size_name}: our attention {attention!r} ({prng}, {masks} dropout masks) failed: "
             f"{str(e).splitlines()[0][:300]}", flush=True)
   hf_sides = []
-  for compiled in [False] + [True] * args.hf_compile:
+  for compile_backend in [None] + [args.hf_compile] * bool(args.hf_compile):
     start = time.perf_counter()
     hf_sides.append(their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device,
-                               compiled))
+                               compile_backend))
     print(f"  {name} {size_name}: {hf_sides[-1].label}: built in {time.perf_counter() - start:.1f} s", flush=True)
   theirs = hf_sides[0]  # the ratios' reference
   sides = ours + hf_sides

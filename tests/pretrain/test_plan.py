@@ -164,12 +164,12 @@ def test_a_step_too_big_for_the_chip_exits_with_the_compilers_out_of_memory_line
 
 
 def test_a_step_compiles_to_fit_the_hbm_limit_given_and_is_refused_below_what_it_needs():
-  fits = run_plan(*TINY_PLAN, "--hbm_limit_gib=1")
+  fits = run_plan(*TINY_PLAN, ONE_LAYER, "--hbm_limit_gib=1")
   assert fits.returncode == 0, fits.stderr[-3000:]
   assert f"1.00 GiB HBM usable (--hbm_limit_gib; the chip's {V3_USABLE_GIB:.2f})" in fits.stdout, fits.stdout
   total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", fits.stdout)
   assert limit == 1.0 and 0 < total < limit
-  refused = run_plan(*TINY_PLAN, "--hbm_limit_gib=0.001")  # 1 MiB: less than the parameters alone
+  refused = run_plan(*TINY_PLAN, ONE_LAYER, "--hbm_limit_gib=0.001")  # 1 MiB: less than the parameters alone
   assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
   last = refused.stderr.strip().splitlines()[-1]
   assert last.startswith("pretrain.plan: does not fit: RESOURCE_EXHAUSTED") and "(1.00M)" in last, last

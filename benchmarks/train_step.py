@@ -96,6 +96,16 @@ def names(text: str, known) -> list:
   return chosen
 
 
+def compile_backend(name: str) -> str:
+  """A backend of torch.compile, checked before minutes of our side's compiling, not at transformers' turn."""
+  import torch
+  known = torch._dynamo.list_backends(exclude_tags=())
+  if name not in known:
+    raise argparse.ArgumentTypeError(f"{name!r}: not a torch.compile backend here (torch has "
+                                     f"{', '.join(torch._dynamo.list_backends())}, and aot_eager and eager to debug)")
+  return name
+
+
 def make_parser() -> argparse.ArgumentParser:
   from models.dropout import DROPOUT_MASKS
   from models.layers import ATTENTION_IMPLEMENTATIONS
@@ -116,7 +126,7 @@ def make_parser() -> argparse.ArgumentParser:
                            f"{PRNG_IMPLS[0]})")
   parser.add_argument("--dropout_masks", type=lambda s: names(s, DROPOUT_MASKS), default=["auto"],
                       help="how our dropout draws its masks (models/dropout.py), side by side (default: auto)")
-  parser.add_argument("--hf_compile", nargs="?", const="inductor", metavar="BACKEND",
+  parser.add_argument("--hf_compile", nargs="?", const="inductor", type=compile_backend, metavar="BACKEND",
                       help="also time transformers' model under torch.compile, with torch's default backend "
                            "(inductor) or the one named, e.g. --hf_compile=aot_eager (it compiles in its first "
                            "warm-up step, whose time is its compile figure)")
@@ -307,8 +317,8 @@ def their_side(family, batch_size: int, numpy_batch, params, device: str, compil
   settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)
   trainer = HFTrainer(family, batch_size, settings, params, device="cuda" if device == "gpu" else "cpu",
                       compile_backend=compile_backend)
-  compiled = {None: "", "inductor": " compiled"}.get(compile_backend, f" compiled {compile_backend}")
-  side = Side(f"HF {trainer.attention}{compiled}", None, trainer.num_params, memory_bytes=0,
+  suffix = {None: "", "inductor": " compiled"}.get(compile_backend, f" compiled {compile_backend}")
+  side = Side(f"HF {trainer.attention}{suffix}", None, trainer.num_params, memory_bytes=0,
               compiles_on_first_step=compile_backend is not None)
 
   def step():
@@ -375,10 +385,10 @@ def compare(name: str, size_name: str, args, device) -> list:
       print(f"  {name} {size_name}: our attention {attention!r} ({prng}, {masks} dropout masks) failed: "
             f"{str(e).splitlines()[0][:300]}", flush=True)
   hf_sides = []
-  for compile_backend in [None] + [args.hf_compile] * bool(args.hf_compile):
+  for backend in [None, args.hf_compile] if args.hf_compile else [None]:
     start = time.perf_counter()
     hf_sides.append(their_side(family, batch_size, numpy_batch, ours[0].trainer.numpy_params(), args.device,
-                               compile_backend))
+                               backend))
     print(f"  {name} {size_name}: {hf_sides[-1].label}: built in {time.perf_counter() - start:.1f} s", flush=True)
   theirs = hf_sides[0]  # the ratios' reference
   sides = ours + hf_sides

@@ -7,6 +7,8 @@ import re
 import runpy
 import sys
 
+import pytest
+
 
 def test_the_step_benchmark_times_each_side_from_the_same_weights(capsys, monkeypatch):
   monkeypatch.setattr(sys, "argv", ["benchmarks/train_step.py", "--families=bert", "--sizes=tiny", "--repeats=1",
@@ -38,3 +40,15 @@ def test_the_step_benchmark_times_each_side_from_the_same_weights(capsys, monkey
   profile = out[out.index("ours auto=xla, 1 steps traced:"):]
   assert re.search(r"device time per step [\d.]+ ms in \d+ kernels, \d+% of the [\d.]+ ms step", profile)
   assert re.search(r"^\s+[\d.]+\s+[\d.]+%\s+\d+\s+backward encoder/layer_\*/", profile, re.M)
+
+
+def test_an_unknown_torch_compile_backend_is_named_before_anything_runs(capsys):
+  parser = runpy.run_path("benchmarks/train_step.py")["make_parser"]()
+  assert parser.parse_args(["--hf_compile"]).hf_compile == "inductor"
+  assert parser.parse_args(["--hf_compile=aot_eager"]).hf_compile == "aot_eager"
+  with pytest.raises(SystemExit) as exited:
+    parser.parse_args(["--hf_compile=inductr"])
+  assert exited.value.code == 2
+  last = capsys.readouterr().err.strip().splitlines()[-1]
+  assert last.startswith("python benchmarks/train_step.py: error: argument --hf_compile: 'inductr': not a "
+                         "torch.compile backend here (torch has ") and "inductor" in last, last

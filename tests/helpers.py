@@ -45,12 +45,13 @@ def run_here(program, *args):
   process as a process of its own would run it; returns a CompletedProcess with its stdout, its stderr (what
   Python writes) and its exit code (a message given to sys.exit goes to stderr, with code 1, as Python does).
   The absl programs define flags of the same names (--input, --output), and a module run as a program
-  defines them again: the project's flags are forgotten before the program runs and after."""
+  defines them again: the project's flags are forgotten before the program runs and after. sys.path is put back
+  after it (the benchmark scripts put benchmarks/ on it)."""
   import contextlib
   import io
   import runpy
   import warnings
-  stdout, stderr, code, argv = io.StringIO(), io.StringIO(), 0, sys.argv
+  stdout, stderr, code, argv, path = io.StringIO(), io.StringIO(), 0, sys.argv, list(sys.path)
   _forget_project_flags()
   sys.argv = [program, *args]
   try:
@@ -68,7 +69,7 @@ def run_here(program, *args):
           print(exited.code, file=sys.stderr)
           code = 1
   finally:
-    sys.argv = argv
+    sys.argv, sys.path[:] = argv, path
     _forget_project_flags()
   return subprocess.CompletedProcess([program, *args], code, stdout.getvalue(), stderr.getvalue())
 

@@ -4,7 +4,6 @@ by step, which checks the optimizer, schedule, clipping, weight-decay mask and l
 runs in this process, as a process of its own would run it, without first spending some 15 s of CPU on importing
 TensorFlow, torch and transformers again."""
 import json
-import sys
 
 import pytest
 from helpers import run_here
@@ -14,10 +13,9 @@ from helpers import run_here
 # to `make test-all` alone. ALBERT's side shares BERT's torch trainer (MLM and a sentence-pair head) and XLNet's is
 # the most intricate (perm_mask, target_mapping, mems); BERT and BART (the slowest, 70 s) run in `make test-all`.
 @pytest.mark.parametrize("families", ["albert,xlnet", pytest.param("bert,bart", marks=pytest.mark.slow)])
-def test_each_family_trains_step_by_step_as_transformers_does(tmp_path, families, monkeypatch):
+def test_each_family_trains_step_by_step_as_transformers_does(tmp_path, families):
   import torch
   curves = tmp_path / "curves.json"
-  monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ on it
   threads = torch.get_num_threads()  # the script sets torch's (--torch_threads)
   try:
     result = run_here("benchmarks/convergence.py", f"--families={families}", "--steps=6", "--parity_steps=6",

@@ -5,19 +5,16 @@ source. torch.compile runs with its aot_eager backend: the same graph capture of
 inductor's code generation, which takes some 30 s more of a CPU whose inductor cache is empty (as CI's is)."""
 import re
 import runpy
-import sys
 
 import pytest
+from helpers import run_here
 
 
-def test_the_step_benchmark_times_each_side_from_the_same_weights(capsys, monkeypatch):
-  monkeypatch.setattr(sys, "argv", ["benchmarks/train_step.py", "--families=bert", "--sizes=tiny", "--repeats=1",
-                                    "--warmup=1", "--attention=auto", "--attention_dropout=0",
-                                    "--dropout_masks=auto,bernoulli", "--hf_compile=aot_eager", "--profile=1"])
-  monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ on it
+def test_the_step_benchmark_times_each_side_from_the_same_weights(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the script sets it for its comparison on the CPU
-  runpy.run_path("benchmarks/train_step.py", run_name="__main__")
-  out = capsys.readouterr().out
+  out = run_here("benchmarks/train_step.py", "--families=bert", "--sizes=tiny", "--repeats=1", "--warmup=1",
+                 "--attention=auto", "--attention_dropout=0", "--dropout_masks=auto,bernoulli",
+                 "--hf_compile=aot_eager", "--profile=1").stdout
   row = r"^bert\s+tiny\s+{}\s+([\d.]+)\s+([\d,]+)\s+([\d.]+)x\s+n/a\s+(\S+)\s+(\S+)\s+(\S+)$"
   sides = ("ours auto=xla", "ours auto=xla bernoulli", "HF sdpa", "HF sdpa compiled aot_eager")
   rows = [re.search(row.format(re.escape(side)), out, re.M) for side in sides]

@@ -96,7 +96,7 @@ def names(text: str, known) -> list:
   return chosen
 
 
-def compile_backend(name: str) -> str:
+def torch_compile_backend(name: str) -> str:
   """A backend of torch.compile, checked before minutes of our side's compiling, not at transformers' turn."""
   import torch
   known = torch._dynamo.list_backends(exclude_tags=())
@@ -126,7 +126,7 @@ def make_parser() -> argparse.ArgumentParser:
                            f"{PRNG_IMPLS[0]})")
   parser.add_argument("--dropout_masks", type=lambda s: names(s, DROPOUT_MASKS), default=["auto"],
                       help="how our dropout draws its masks (models/dropout.py), side by side (default: auto)")
-  parser.add_argument("--hf_compile", nargs="?", const="inductor", type=compile_backend, metavar="BACKEND",
+  parser.add_argument("--hf_compile", nargs="?", const="inductor", type=torch_compile_backend, metavar="BACKEND",
                       help="also time transformers' model under torch.compile, with torch's default backend "
                            "(inductor) or the one named, e.g. --hf_compile=aot_eager (it compiles in its first "
                            "warm-up step, whose time is its compile figure)")

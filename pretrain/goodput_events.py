@@ -7,7 +7,8 @@ when it happened or ended) and, where they apply, `seconds` (how long it took) a
   init        a fresh state (or one around imported weights) at `step` 0, `seconds`
   restore     a resume from the checkpoint at `step`, `seconds`
   compile     `what` ('train_step', or 'eval_step': its first call), `seconds`; the train step compiles beside the
-              state's restore or init, so its `seconds` are what the start waited for it after them,
+              state's restore or init, so its `seconds` are what the start waited for it: for its trace, which
+              goes first, and after them;
               `overall_seconds` its whole compile, and `untraced` whether it was loaded without tracing it
               (`pretrain.step_cache`)
   first_step  the first step, `step`, is dispatched: the train loop is ready

@@ -13,7 +13,8 @@ program is made of instead:
   hyperparameters are constants in what they trace).
 Any change to these misses: the step is traced and compiled as before (through JAX's cache) and kept again,
 if XLA compiled it: one that JAX's cache gave is not kept (XLA's CPU executable, loaded and serialized again,
-has lost its kernels), so starts trace it until a changed program compiles.
+has lost its kernels), so starts trace it until a changed program compiles. Where the cache holds no entry (a
+new run), the key is made while XLA compiles, off the way to the first step.
 Code outside those packages is not in the key: after changing a model or optimizer defined elsewhere (a module
 gin imports), delete COMPILATION_CACHE_DIR/train_step.
 
@@ -24,6 +25,7 @@ holds a SHA-256 of its contents: a partial or corrupt entry is ignored with a wa
 0), and the step is compiled. Loading an executable runs code from it, as JAX's own cache does: keep the
 cache where only your runs write.
 """
+import concurrent.futures
 import functools
 import hashlib
 import importlib.metadata
@@ -56,21 +58,43 @@ _ABANDONED_AFTER_SECONDS = 3600  # a partial write this old was left by a proces
 
 
 def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], write: bool,
-                        warn: Callable[[str], None]) -> Tuple[jax.stages.Compiled, bool]:
+                        warn: Callable[[str], None], traced: Callable[[], None] = lambda: None
+                        ) -> Tuple[jax.stages.Compiled, bool]:
   """The train step compiled for `setup`, and whether it came from the cache in `cache_directory` (None: no
   cache) untraced. `write` (process 0): keep a step that XLA compiled here, and remove a damaged entry.
-  Problems with an entry go to `warn`."""
-  path = None if cache_directory is None else epath.Path(cache_directory) / SUBDIRECTORY / key(setup)
-  loaded = None if path is None else _load(path, setup, warn, remove_damaged=write)
-  if loaded is not None:
-    return loaded, True
-  with compilation_cache.hits_in_this_thread() as hits:
-    compiled = steps.lower_train_step(setup).compile()
+  Problems with an entry go to `warn`. `traced()` is called once this call has no trace ahead that another
+  thread's should wait for: after lowering the step, or at once where the cache holds entries (a miss then
+  traces beside the other thread)."""
+  directory = None if cache_directory is None else epath.Path(cache_directory) / SUBDIRECTORY
+  path = None
+  if directory is not None and _has_entries(directory):
+    traced()
+    path = directory / key(setup)
+    loaded = _load(path, setup, warn, remove_damaged=write)
+    if loaded is not None:
+      return loaded, True
+  lowered = steps.lower_train_step(setup)
+  traced()
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="train-step-key") as beside:
+    # An empty cache's key is only needed to keep the step: it is traced while XLA compiles, off the way to the
+    # first step.
+    keyed = beside.submit(key, setup) if directory is not None and path is None else None
+    with compilation_cache.hits_in_this_thread() as hits:
+      compiled = lowered.compile()
+    if keyed is not None:
+      path = directory / keyed.result()
   # An executable that JAX's cache gave is not kept again: XLA's CPU executable, loaded and serialized again,
   # has lost its kernels (running it fails: "Function ... not found"). The next start traces it again.
   if path is not None and write and not hits:
     _keep(path, compiled, warn)
   return compiled, False
+
+
+def _has_entries(directory: epath.Path) -> bool:
+  try:
+    return directory.exists() and any(not p.name.endswith(_PARTIAL) for p in directory.iterdir())
+  except Exception:  # storage that cannot be listed: looked up entry by entry, where _load says why it fails
+    return True
 
 
 def key(setup: steps.Setup) -> str:

@@ -193,7 +193,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
   `data_shards`: how many seqio shards make up the global batch (default: one per process).
-  The train step compiles in a thread beside the state's restore or init, from the state's shapes and shardings.
+  The train step compiles in a thread beside the state's restore or init, from the state's shapes and shardings;
+  its trace goes first, since its compile is the longer way to the first step.
   Each logged step shows the speed of the steps since the last one (`pretrain.throughput`): step time,
   examples and tokens per second, MFU and the share of time spent waiting for input. The next batch is
   put on the devices while a step runs. `profile_steps` (first, last): a trace of those steps in
@@ -233,12 +234,28 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         data.check_examples("validation", say=say)  # now, not at the first eval
     saver = checkpoints.Saver(model_dir, keep_checkpoints, train_iterator, run_config.to_json(), say, save_attempts)
     # The train step compiles beside the state's restore or init: it needs only their shapes and shardings.
+    # Its trace goes first: its compile is the longer way to the first step, and the state's trace beside it
+    # would only share Python's lock with it.
     compiling: List[_Background] = []
+    waited_for_trace = 0.0
 
     def compile_beside(step_loaded: int) -> None:
-      if step_loaded < train_steps and not compiling:
-        compiling.append(_Background(lambda: step_cache.compiled_train_step(
-            setup, compiles.directory, write=jax.process_index() == 0, warn=say), name="train-step-compile"))
+      nonlocal waited_for_trace
+      if step_loaded >= train_steps or compiling:
+        return
+      traced = threading.Event()
+
+      def compile_step():
+        try:
+          return step_cache.compiled_train_step(setup, compiles.directory, write=jax.process_index() == 0,
+                                                warn=say, traced=traced.set)
+        finally:
+          traced.set()
+
+      compiling.append(_Background(compile_step, name="train-step-compile"))
+      began = time.time()
+      traced.wait()
+      waited_for_trace = time.time() - began
 
     signals.at("restoring or initializing the train state (the train step compiles meanwhile)")
     state_began = time.time()
@@ -250,7 +267,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         say("waiting for the train step's compile to end before stopping")
         background.wait()
       raise
-    events.state_ready(time.time() - state_began, int(state.step),
+    events.state_ready(time.time() - state_began - waited_for_trace, int(state.step),
                        int(jax.device_get(optimizers.skipped_updates(state.opt_state)["skipped_steps"])))
     writer = MetricsWriter(model_dir, train_steps, start_step=int(state.step))
     if took_over:
@@ -276,8 +293,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       step_fn, untraced = compiling[0].result()
       if untraced:
         compiles.count_untraced_load()
-      events.record("compile", what="train_step", seconds=time.time() - waited, overall_seconds=compiling[0].seconds,
-                    untraced=untraced)
+      events.record("compile", what="train_step", seconds=time.time() - waited + waited_for_trace,
+                    overall_seconds=compiling[0].seconds, untraced=untraced)
       profiler.use_program(step_fn)
       signals.at("waiting for the first batch")
       batch = partitioning.global_batch(first_batch.result(), mesh)

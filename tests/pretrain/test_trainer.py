@@ -34,11 +34,31 @@ def test_loss_falls_and_outputs_are_written(tmp_path, capsys):
   assert re.search(r"^\s+[\d.]+\s+[\d.]+%\s+\d+\s+(forward |backward) encoder/layer_\*/", summary, re.M), summary
 
 
-def test_a_start_traces_its_model_in_one_thread_at_a_time(tmp_path, model_traces_at_once):
-  """The init is traced while the train step is traced in a thread beside it: one after the other."""
-  summary = train("bert_tiny_demo", tmp_path, 2, SMALL_BERT + ["LOG_EVERY_STEPS = 1"])
+def test_a_start_traces_the_train_step_first_and_its_model_in_one_thread_at_a_time(tmp_path, model_traces_at_once,
+                                                                                    monkeypatch):
+  """The train step is traced in a thread beside the state's init, and first: its compile is the longer way to
+  the first step. Its cache key, needed only to keep it, is traced while XLA compiles it."""
+  from pretrain import step_cache, steps
+  happened = []
+
+  def noted(name, function):
+    def call(*args, **kwargs):
+      happened.append(f"{name} begins")
+      try:
+        return function(*args, **kwargs)
+      finally:
+        happened.append(f"{name} ends")
+    return call
+
+  monkeypatch.setattr(steps, "lower_train_step", noted("lowering", steps.lower_train_step))
+  monkeypatch.setattr(steps.Setup, "init_state", noted("init", steps.Setup.init_state))
+  monkeypatch.setattr(step_cache, "key", noted("key", step_cache.key))
+  new_cache = f"COMPILATION_CACHE_DIR = '{tmp_path / 'cache'}'"  # not the session's, which may hold this step
+  summary = train("bert_tiny_demo", tmp_path / "run", 2, SMALL_BERT + ["LOG_EVERY_STEPS = 1", new_cache])
   assert not model_traces_at_once, model_traces_at_once
   assert summary["steps"] == 2 and np.isfinite(summary["last_loss"]), summary
+  assert happened.index("lowering ends") < happened.index("init begins"), happened
+  assert happened.index("lowering ends") < happened.index("key begins"), happened
 
 
 def test_one_device_and_eight_devices_agree(tmp_path, bert_on_eight_devices):

@@ -239,18 +239,24 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iter
     saved = None
     notes.append(f"step {step} has no checksums (saved before pod-pretrain wrote them): its arrays are restored "
                  "unverified; the next checkpoint will have them")
-  # Arrays are read in the dtype they were saved in, so that their checksums can match, and cast after.
-  as_saved = _with_saved_dtypes(manager, step, abstract_state)
-  restored = _read(manager, step, state=ocp.args.StandardRestore(as_saved),
+  # A checksum is of the bits as saved. Arrays are read in this run's dtypes; only where that leaves checksums
+  # differing (or there are none) is orbax's metadata read for the saved dtypes (slow: it opens every array), and
+  # arrays saved in another dtype read again as saved, checked, then cast.
+  restored = _read(manager, step, state=ocp.args.StandardRestore(abstract_state),
                    data_iterator=DataIteratorRestore(data_iterator))
-  differing = [name for name, value in checksums(restored.state).items() if saved[name] != value] if saved else []
+  state, differing, recast = restored.state, _differing(saved, restored.state), []
+  if differing or saved is None:
+    as_saved = _with_saved_dtypes(manager, step, abstract_state)
+    recast = [(jax.tree_util.keystr(path), old.dtype, new.dtype) for (path, old), new in
+              zip(jax.tree_util.tree_flatten_with_path(as_saved)[0], jax.tree.leaves(abstract_state))
+              if old.dtype != new.dtype]
+    if recast and saved is not None:
+      state = _read(manager, step, state=ocp.args.StandardRestore(as_saved)).state
+      differing = _differing(saved, state)
+      state = jax.tree.map(lambda x, wanted: x.astype(wanted.dtype), state, abstract_state)
   if differing:
     more = f" and {len(differing) - 1} more" if len(differing) > 1 else ""
     raise DamagedCheckpoint(f"the data of {differing[0]}{more} differs from what was saved (checksum mismatch)")
-  state = jax.tree.map(lambda x, wanted: x.astype(wanted.dtype), restored.state, abstract_state)
-  recast = [(jax.tree_util.keystr(path), x.dtype, wanted.dtype) for (path, x), wanted in
-            zip(jax.tree_util.tree_flatten_with_path(restored.state)[0], jax.tree.leaves(abstract_state))
-            if x.dtype != wanted.dtype]
   if recast:
     name, old, new = recast[0]
     more = f" and {len(recast) - 1} more" if len(recast) > 1 else ""
@@ -260,6 +266,13 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iter
     notes.append(f"the data position of step {step} does not fit this run's input: {why}; the input starts again "
                  "from its beginning, so examples are seen again; the checkpoint's DATA_SHARDS would continue it")
   return state, notes
+
+
+def _differing(saved_checksums: Optional[Dict[str, str]], state) -> List[str]:
+  """Names of the arrays of `state` whose checksums are not the saved ones (none where none were saved)."""
+  if saved_checksums is None:
+    return []
+  return [name for name, value in checksums(state).items() if saved_checksums[name] != value]
 
 
 def _with_saved_dtypes(manager: ocp.CheckpointManager, step: int, abstract_state):

@@ -58,11 +58,11 @@ def test_settings_that_may_change_on_resume_do_not_stop_it(trained):
   assert max(logged_losses(trained)) == 3
 
 
-def test_an_array_saved_in_another_dtype_is_checked_as_saved_then_cast_with_a_line(tmp_path):
-  """As XLNet's memory cache, saved in fp32 before it followed the compute dtype, resumed by a bf16 run."""
+def _saved_small_state(directory):
+  """(state, abstract state, a new data iterator) of a small state saved at step 1 in `directory`: XLNet's memory
+  cache in fp32, as saved before it followed the compute dtype."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   import tensorflow as tf
 
   from data_pipelines.input_pipeline import ShardIterators
@@ -73,13 +73,37 @@ def test_an_array_saved_in_another_dtype_is_checked_as_saved_then_cast_with_a_li
 
   state = {"carry": {"mems": jnp.linspace(-2, 2, 24, dtype=jnp.float32).reshape(2, 3, 4)},
            "params": {"w": jnp.arange(5.0)}}
-  manager = checkpoints.make_manager(str(tmp_path), async_save=False)
+  manager = checkpoints.make_manager(str(directory), async_save=False)
   checkpoints.save(manager, 1, state, data_iterator(), {})
   manager.close()
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state), data_iterator
+
+
+def test_an_array_saved_in_another_dtype_is_checked_as_saved_then_cast_with_a_line(tmp_path):
+  """As XLNet's memory cache, saved in fp32 before it followed the compute dtype, resumed by a bf16 run."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pretrain import checkpoints
+  state, abstract, data_iterator = _saved_small_state(tmp_path)
   abstract["carry"]["mems"] = jax.ShapeDtypeStruct((2, 3, 4), jnp.bfloat16)
   restored, notes = checkpoints.restore(checkpoints.make_manager(str(tmp_path)), 1, abstract, data_iterator())
   assert restored["carry"]["mems"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(restored["carry"]["mems"], state["carry"]["mems"].astype(jnp.bfloat16))
   np.testing.assert_array_equal(restored["params"]["w"], state["params"]["w"])
   assert notes == ["step 1 holds ['carry']['mems'] as float32; cast to this run's bfloat16"]
+
+
+def test_a_resume_in_the_saved_dtypes_does_not_read_orbax_metadata(tmp_path, monkeypatch):
+  """The saved dtypes come from orbax's metadata, which opens every array (a second of a BERT-base resume): read
+  only when the checksums of the arrays read in the run's dtypes do not match."""
+  import numpy as np
+
+  from pretrain import checkpoints
+  state, abstract, data_iterator = _saved_small_state(tmp_path)
+  read_metadata = []
+  monkeypatch.setattr(checkpoints, "_with_saved_dtypes", lambda *args: read_metadata.append(args) or args[-1])
+  restored, notes = checkpoints.restore(checkpoints.make_manager(str(tmp_path)), 1, abstract, data_iterator())
+  np.testing.assert_array_equal(restored["carry"]["mems"], state["carry"]["mems"])
+  assert notes == [] and read_metadata == []

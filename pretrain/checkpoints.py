@@ -244,13 +244,16 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iter
   # arrays saved in another dtype read again as saved, checked, then cast.
   restored = _read(manager, step, state=ocp.args.StandardRestore(abstract_state),
                    data_iterator=DataIteratorRestore(data_iterator))
-  state, differing, recast = restored.state, _differing(saved, restored.state), []
+  state, position_problem = restored.state, restored.data_iterator
+  del restored
+  differing, recast = _differing(saved, state), []
   if differing or saved is None:
     as_saved = _with_saved_dtypes(manager, step, abstract_state)
     recast = [(jax.tree_util.keystr(path), old.dtype, new.dtype) for (path, old), new in
               zip(jax.tree_util.tree_flatten_with_path(as_saved)[0], jax.tree.leaves(abstract_state))
               if old.dtype != new.dtype]
     if recast and saved is not None:
+      state = None  # the devices hold one copy of the state at a time
       state = _read(manager, step, state=ocp.args.StandardRestore(as_saved)).state
       differing = _differing(saved, state)
       state = jax.tree.map(lambda x, wanted: x.astype(wanted.dtype), state, abstract_state)
@@ -261,8 +264,8 @@ def restore(manager: ocp.CheckpointManager, step: int, abstract_state, data_iter
     name, old, new = recast[0]
     more = f" and {len(recast) - 1} more" if len(recast) > 1 else ""
     notes.append(f"step {step} holds {name}{more} as {old}; cast to this run's {new}")
-  if distributed.any_process(bool(restored.data_iterator)):
-    why = restored.data_iterator or "another process's could not be restored"
+  if distributed.any_process(bool(position_problem)):
+    why = position_problem or "another process's could not be restored"
     notes.append(f"the data position of step {step} does not fit this run's input: {why}; the input starts again "
                  "from its beginning, so examples are seen again; the checkpoint's DATA_SHARDS would continue it")
   return state, notes

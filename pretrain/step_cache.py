@@ -62,9 +62,9 @@ def compiled_train_step(setup: steps.Setup, cache_directory: Optional[str], writ
                         ) -> Tuple[jax.stages.Compiled, bool]:
   """The train step compiled for `setup`, and whether it came from the cache in `cache_directory` (None: no
   cache) untraced. `write` (process 0): keep a step that XLA compiled here, and remove a damaged entry.
-  Problems with an entry go to `warn`. `traced()` is called once this call has no trace ahead that another
-  thread's should wait for: after lowering the step, or at once where the cache holds entries (a miss then
-  traces beside the other thread)."""
+  Problems with an entry go to `warn`. `traced()` is called when this call has no trace ahead that another
+  thread's should wait for: at once where the cache holds entries (a miss then traces beside the other thread;
+  `traced()` comes again after it), else after lowering the step."""
   directory = None if cache_directory is None else epath.Path(cache_directory) / SUBDIRECTORY
   path = None
   if directory is not None and _has_entries(directory):

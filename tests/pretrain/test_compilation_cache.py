@@ -59,6 +59,18 @@ def test_a_resumed_run_loads_every_program_untraced_and_says_so(first_run, step_
   assert [r["untraced"] for r in compiles if r["what"] == "train_step"] == [False, True]  # the first run, then this
 
 
+def test_a_new_run_with_the_same_settings_loads_every_program_from_an_earlier_runs_cache(first_run, step_traces,
+                                                                                          tmp_path):
+  """COMPILATION_CACHE_DIR shared by runs in other MODEL_DIRs (here another seed, as in a sweep): a new run's first
+  start compiles and traces nothing."""
+  root, first = first_run
+  shutil.copytree(root / "cache", tmp_path / "cache")  # the module's cache stays as its first run left it
+  new = cached_run(tmp_path / "new_run", tmp_path / "cache", 2, "SEED = 1")
+  assert new["steps"] == 2 and new["compiled"] == 0 and new["loaded"] == first["compiled"], (new, first)
+  assert step_traces == []
+  assert new["first_loss"] != first["first_loss"]  # its own weights and data order: the seed is a program's input
+
+
 @pytest.mark.parametrize("damage", ["flipped", "partial"])
 def test_a_damaged_train_step_entry_is_traced_and_compiled_with_a_warning(first_run, damage, step_traces, tmp_path,
                                                                           capsys):

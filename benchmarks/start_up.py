@@ -1,10 +1,13 @@
-"""From `python -m pretrain.train` to the first step, cold and resumed, on this machine: #23's start-up figures.
+"""From `python -m pretrain.train` to the first step, cold, resumed and with a shared cache, on this machine: #23's
+start-up figures.
 
   python benchmarks/start_up.py [--models=bert_base,xlnet_base] [--batch_size=8] [--repeats=1] \\
       [--baseline_repo=PATH] [--gin.KEY=VALUE ...]
 
 For each model, a cold start (a new MODEL_DIR: no checkpoint, no compilation cache, no token files) trains one
-step; then the same command resumes it to step 2 (a restore, and the programs from MODEL_DIR's compilation cache).
+step; then the same command resumes it to step 2 (a restore, and the programs from MODEL_DIR's compilation cache);
+then a new run (another MODEL_DIR, as in a sweep) given the first run's cache as its COMPILATION_CACHE_DIR trains one
+step ('new, shared cache': an init, and every program loaded; where the checkout has no such setting, not run).
 Each is a real `python -m pretrain.train` process on the demo corpus (JAX on the CPU, eval off), with the run file's
 model and recipe at --batch_size. 'to first line' is timed from the launch to the progress line of the start's
 first step, so it holds that step's own run. Where the checkout writes goodput records (MODEL_DIR/goodput.jsonl),
@@ -37,6 +40,7 @@ MODELS = {  # name -> gin files: the run file, then what makes its model the one
     "bert_base": ["gin_configs/runs/bert_base_pretrain.gin"],
     "xlnet_base": ["gin_configs/runs/xlnet_large_pretrain.gin", "gin_configs/models/xlnet_base.gin"],
 }
+SHARED = "new, shared cache"
 FIGURES = ("to first line", "to first step", "before init", "init/restore", "compile", "first step", "CPU to exit")
 
 
@@ -80,18 +84,24 @@ def train(repo: Path, model: str, model_dir: Path, steps: int, batch_size: int, 
   return {"to first line": to_first_line, **goodput_figures(model_dir), "CPU to exit": cpu}
 
 
-def cold_and_resumed(repo: Path, model: str, batch_size: int, demo: dict, gin_flags: list) -> dict:
-  """{'cold': figures, 'resumed': figures} of a new run of `model` in `repo`, started then resumed."""
+def starts(repo: Path, model: str, batch_size: int, demo: dict, gin_flags: list) -> dict:
+  """{start: figures} of a new run of `model` in `repo`, started then resumed, and of a run beside it that shares
+  its compilation cache (the module's docstring)."""
   with tempfile.TemporaryDirectory(prefix="start_up_") as scratch:
     model_dir, token_cache = Path(scratch) / "run", Path(scratch) / "cache"
-    cold = train(repo, model, model_dir, 1, batch_size, demo, token_cache, gin_flags)
-    return {"cold": cold, "resumed": train(repo, model, model_dir, 2, batch_size, demo, token_cache, gin_flags)}
+    figures = {"cold": train(repo, model, model_dir, 1, batch_size, demo, token_cache, gin_flags),
+               "resumed": train(repo, model, model_dir, 2, batch_size, demo, token_cache, gin_flags)}
+    if (repo / "pretrain" / "compilation_cache.py").exists():
+      shared = f"--gin.COMPILATION_CACHE_DIR='{model_dir / 'compilation_cache'}'"
+      figures[SHARED] = train(repo, model, Path(scratch) / "new_run", 1, batch_size, demo, token_cache,
+                              [*gin_flags, shared])
+    return figures
 
 
 def median_figures(runs: list) -> dict:
   """{start: {figure: median seconds}}; a figure the checkout does not record is left out."""
   return {start: {figure: statistics.median(run[start][figure] for run in runs) for figure in FIGURES
-                  if figure in runs[0][start]} for start in ("cold", "resumed")}
+                  if figure in runs[0][start]} for start in runs[0]}
 
 
 def table(results: dict, baseline: dict) -> str:
@@ -103,7 +113,7 @@ def table(results: dict, baseline: dict) -> str:
     for start, ours in figures.items():
       row = [model, start, *(f"{ours[f]:.1f}" if f in ours else "-" for f in FIGURES)]
       if baseline:
-        theirs = baseline[model][start]
+        theirs = baseline[model].get(start, {})
         row += [f"{ours[f] / theirs[f]:.2f}x" if theirs.get(f) and f in ours else "-" for f in FIGURES]
       lines.append(" | ".join(row))
   return "\n".join(lines)
@@ -133,10 +143,11 @@ def main(argv) -> None:
   for repeat in range(args.repeats):
     for model in models:
       for name, repo in repos.items():  # interleaved: a slower spell of the machine hits both alike
-        runs[name, model].append(cold_and_resumed(repo, model, args.batch_size, demo, gin_flags))
-        cold, resumed = (runs[name, model][-1][start]["to first line"] for start in ("cold", "resumed"))
-        print(f"[{time.time() - began:.0f} s] {model} {name} #{repeat + 1}: cold {cold:.1f} s, resumed {resumed:.1f} s "
-              "to the first step's line", flush=True)
+        runs[name, model].append(starts(repo, model, args.batch_size, demo, gin_flags))
+        last = runs[name, model][-1]
+        made = ", ".join(f"{start} {figures['to first line']:.1f} s" for start, figures in last.items())
+        print(f"[{time.time() - began:.0f} s] {model} {name} #{repeat + 1}: {made} to the first step's line",
+              flush=True)
   results = {model: median_figures(runs["ours", model]) for model in models}
   baseline = {model: median_figures(runs["baseline", model]) for model in models} if args.baseline_repo else {}
   print(f"\nbatch {args.batch_size}, JAX on {os.cpu_count()} CPUs, medians of {args.repeats}; ours: {ROOT}"

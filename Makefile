@@ -8,10 +8,18 @@ DEMO_DIR ?= $(CURDIR)/demo_output
 
 .PHONY: demo test test-all lint format install clean
 
+# The gpu-plan extra's CUDA plugin and cuDNN (pretrain.plan --topology=h100:8 without a GPU) go beside the venv,
+# not into it: tests/conftest.py puts them on the test workers' path, so that the suite's many other JAX
+# processes do not load the plugin (0.3 s and 460 MB each). The plugin's version is jaxlib's.
+GPU_PLAN_DIR := $(VENV)/gpu-plan
+
 $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,tpu,lint]"
+	$(PY) -m pip install --quiet --upgrade --no-deps --target $(GPU_PLAN_DIR) \
+	    $$($(PY) -c 'import jaxlib; v = jaxlib.__version__; print(f"jax-cuda13-plugin=={v} jax-cuda13-pjrt=={v}")') \
+	    "nvidia-cudnn-cu13>=9.12,<10"
 	@touch $(STAMP)
 
 install: $(STAMP)

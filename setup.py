@@ -45,6 +45,9 @@ setuptools.setup(
         # together). CUDA 13 needs driver 580 or later; gpu-cuda12 is for older drivers.
         "gpu": ["jax[cuda13]>=0.10.2,<0.12"],
         "gpu-cuda12": ["jax[cuda12]>=0.10.2,<0.12"],
+        # pretrain.plan --topology=h100:8 without a GPU: jax's CUDA plugin compiles for described GPUs, and cuDNN
+        # builds the fused attention; the other CUDA libraries (2.6 GB of jax[cuda13]) are not needed for that.
+        "gpu-plan": ["jax[cuda13-local]>=0.10.2,<0.12", "nvidia-cudnn-cu13>=9.12,<10"],
         # benchmarks/train_step.py and convergence.py: transformers' models to compare with, and the plot.
         "benchmarks": ["torch==2.13.0", "transformers>=5.0,<6", "matplotlib>=3.8"],
         # TensorBoard's profile tab, for PROFILE_STEPS traces; 2.24 is a shim over xprof, fine with tensorboard 2.21.

@@ -21,9 +21,11 @@ it for the gin programs); importing it does the following, once per process:
 - With libtpu installed (the `tpu` extra) JAX tries the TPU before the CPU, and on a machine without
   one libtpu prints errors about TPU hostnames ("Failed to find host bounds for accelerator type",
   "common_lib.cc] INVALID_ARGUMENT: Error: unexpected worker hostname") before JAX falls back to the
-  CPU. Where no accelerator is attached the CPU is all JAX can use, so there `JAX_PLATFORMS=cpu` is set
-  (unless JAX_PLATFORMS is set). JAX tells a TPU chip by its Google PCI vendor id; here any Google PCI
-  device, or any GPU device node, counts as a possible accelerator and leaves JAX's choice alone.
+  CPU; with jax's CUDA plugin installed (the `gpu` and `gpu-plan` extras) and no GPU, the plugin prints a
+  traceback ("Unable to load cuPTI"). Where no accelerator is attached the CPU is all JAX can use, so there
+  `JAX_PLATFORMS=cpu` is set (unless JAX_PLATFORMS is set). JAX tells a TPU chip by its Google PCI vendor id;
+  here any Google PCI device, or any GPU device node, counts as a possible accelerator and leaves JAX's choice
+  alone.
 
 - With `STORAGE_EMULATOR_HOST` set (a local Cloud Storage server), gs:// paths go there: importing
   `data_pipelines.storage` points etils.epath, gcsfs and tensorstore at it before any of them is used.
@@ -94,9 +96,16 @@ def _only_a_cpu_here() -> bool:
   return True
 
 
+def _accelerator_plugin_installed() -> bool:
+  """libtpu, or jax's CUDA plugin (its jax_plugins module), is installed."""
+  return bool(importlib.util.find_spec("libtpu")) or any(
+      importlib.util.find_spec(f"jax_plugins.{name}") for name in ("xla_cuda13", "xla_cuda12")
+      if importlib.util.find_spec("jax_plugins"))
+
+
 def _start() -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-  if "JAX_PLATFORMS" not in os.environ and importlib.util.find_spec("libtpu") and _only_a_cpu_here():
+  if "JAX_PLATFORMS" not in os.environ and _accelerator_plugin_installed() and _only_a_cpu_here():
     os.environ["JAX_PLATFORMS"] = "cpu"
   quiet = _stderr_without(_START_UP_LINES) if not os.environ.get("POD_PRETRAIN_DEBUG") else contextlib.nullcontext()
   with quiet:

@@ -104,13 +104,13 @@ def grouped(times: Dict[str, KernelTime], sources: Dict[str, str]) -> Dict[str, 
 
 
 def report(times: Dict[str, KernelTime], sources: Dict[str, str], steps: int, top: int = 25,
-           step_seconds: Optional[float] = None) -> str:
+           step_seconds: Optional[float] = None, what: str = "device time") -> str:
   """A table of the `top` sources by device time per step, with the total kernel time per step (and, given
-  the measured step time, the share the device was busy)."""
+  the measured step time, the share the device was busy); `what` the times are, if not measured."""
   groups = sorted(grouped(times, sources).items(), key=lambda kv: -kv[1].seconds)
   total = sum(t.seconds for t in times.values()) / steps
   busy = f", {100 * total / step_seconds:.0f}% of the {1e3 * step_seconds:.1f} ms step" if step_seconds else ""
-  lines = [f"device time per step {1e3 * total:.1f} ms in {sum(t.launches for t in times.values()) // steps} "
+  lines = [f"{what} per step {1e3 * total:.1f} ms in {sum(t.launches for t in times.values()) // steps} "
            f"kernels{busy}; top {min(top, len(groups))} of {len(groups)} sources:",
            f"{'ms/step':>9}{'share':>7}{'kernels':>8}  source"]
   for key, time in groups[:top]:

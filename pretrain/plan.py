@@ -1,7 +1,8 @@
-"""Will a run fit on a TPU slice, and how fast could it be? Its training step, compiled ahead of time.
+"""Will a run fit on a TPU slice or on GPUs, and how fast could it be? Its training step, compiled ahead of time.
 
   python -m pretrain.plan --gin_file=gin_configs/runs/xlnet_large_v3_512.gin [--gin.KEY=VALUE ...] \\
       [--topology=v3:16x16] [--num_slices=N]
+  python -m pretrain.plan --gin_file=RUN --topology=h100:8 [--gin.KEY=VALUE ...]
   python -m pretrain.plan --gin_file=RUN --topology=v4:4x4x4 --search [--confirm=3] [--max_minutes=M] \\
       [--write=PATH] [--jobs=N]
   (either one with [--hbm_limit_gib=X])
@@ -16,6 +17,15 @@ collectives overlapped and not. With scanned layers the memory figures and colle
 program's, and its FLOPs and bytes come from small unrolled compiles (XLA counts a loop body once).
 `--topology` is libtpu's name, `vN:AxB[xC]` in chips (`v3:16x16` is a v3-512 slice);
 `--num_slices` defaults to the run's NUM_SLICES.
+
+GPUs: `--topology=<gpu>:<GPUs>` or `<gpu>:<machines>x<GPUs per machine>` (a100, h100, h200; `h100:8` is one
+machine of 8) compiles the step for described NVIDIA GPUs (pretrain.gpu_topology) with jax's CUDA plugin,
+`pip install -e ".[gpu-plan]"`, here or on a GPU machine; no GPU is needed or used. Memory is checked against
+the share of each GPU's memory that jax takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75). XLA gives no cost
+analysis there: FLOPs and bytes are the program's kernels' (pretrain.hlo_costs), and a further estimate runs
+the kernels one after another, each at its own roofline, as a GPU does. Nothing is autotuned without a GPU, so
+the program is XLA's default one; the measured H200 steps took 1.8-2.0x that last estimate (benchmarks/README.md,
+"Plans for GPUs").
 
 `--search` chooses the layout instead (pretrain.plan_search): it explores mesh splits, microbatches,
 remat and scan_layers, estimates each from small compiles, compiles the best `--confirm` (default 3,
@@ -43,14 +53,15 @@ import threading
 import time
 from typing import Optional
 
-from pretrain import cli, plan_search, roofline
+from pretrain import cli, gpu_topology, plan_search, roofline
 from pretrain.errors import ConfigError
 from pretrain.roofline import GIB, HEADROOM_WARNING, DoesNotFit, Plan, accelerator_type, model_flops_per_step
 
 DEFAULT_TOPOLOGY = "v3:16x16"
 
 HELP = cli.gin_help(__doc__, flags=f"""\
-  --topology=vN:AxB[xC]       libtpu's name of the slice, in chips (default {DEFAULT_TOPOLOGY}, a v3-512)
+  --topology=vN:AxB[xC]       libtpu's name of the slice, in chips (default {DEFAULT_TOPOLOGY}, a v3-512); or
+                              GPUs: h100:8 (one machine of 8 H100s), h200:4x8, a100:1
   --num_slices=N              slices joined over DCN (default: the run's NUM_SLICES)
   --search                    choose the layout: mesh, microbatches, remat, scan_layers
   --confirm=N                 with --search: layouts compiled at full size (default {plan_search.DEFAULT_CONFIRM}, \
@@ -64,11 +75,15 @@ here: one per CPU and {plan_search.COMPILE_HOST_BYTES // 2**30} GiB of RAM, at m
 
 def setup_lines(p: Plan) -> list:
   capped = "" if p.hbm_cap is None else f" (--hbm_limit_gib; the chip's {p.chip_hbm / GIB:.2f})"
+  if p.chip.kind == "GPU":
+    where = (f"topology: {p.topology} = {p.devices} GPU{'s' if p.devices > 1 else ''} ({p.device_kind}); per GPU "
+             f"{gpu_topology.memory_note()}, ")
+  else:
+    where = (f"topology: {p.topology} ({accelerator_type(p.topology)}) x {p.num_slices} slice(s) = {p.devices} "
+             f"devices ({p.device_kind}); per device ")
   return [
-      f"topology: {p.topology} ({accelerator_type(p.topology)}) x {p.num_slices} slice(s) = {p.devices} devices "
-      f"({p.device_kind}); per device "
-      f"{p.hbm_limit / GIB:.2f} GiB HBM usable{capped}, {p.peak_flops / 1e12:.1f} TFLOP/s bf16 peak, "
-      f"{p.hbm_bandwidth / 1e9:.0f} GB/s HBM, {p.ici_bandwidth / 1e9:.0f} GB/s ICI",
+      f"{where}{p.hbm_limit / GIB:.2f} GiB HBM usable{capped}, {p.peak_flops / 1e12:.1f} TFLOP/s bf16 peak, "
+      f"{p.hbm_bandwidth / 1e9:.0f} GB/s HBM, {p.ici_bandwidth / 1e9:.0f} GB/s {p.chip.interconnect}",
       f"run: {p.family}, {p.parameters / 1e6:.1f}M parameters, global batch {p.batch_size} "
       f"({p.tokens_per_step} tokens), mesh {p.mesh}, microbatches {p.microbatches}, remat {p.remat}, "
       f"{'scanned' if p.scan_layers else 'unrolled'} layers",
@@ -77,13 +92,15 @@ def setup_lines(p: Plan) -> list:
 
 def report_lines(p: Plan) -> list:
   m = p.figures.memory
-  notes = [f"× {p.microbatches} microbatches: XLA counts a loop body once"] if p.microbatches > 1 else []
-  if p.scan_layers:
+  # (A GPU's figures count loop bodies as often as they run: pretrain.hlo_costs.)
+  tpu = p.chip.kind == "TPU"
+  notes = [f"× {p.microbatches} microbatches: XLA counts a loop body once"] if p.microbatches > 1 and tpu else []
+  if p.scan_layers and tpu:
     notes.append("scanned layers: extrapolated from unrolled compiles of 2 and 3 layers")
   loops = f" ({'; '.join(notes)})" if notes else ""
   times = p.step_seconds()
   bound = p.bound()  # collectives overlapped with compute and HBM traffic
-  serial = p.serial_seconds()
+  serial = max(times["compute"], times["HBM"]) + times["communication"]
   lines = [
       f"compiled in {p.compile_seconds:.0f} s",
       f"HBM per device: arguments {m['arguments'] / GIB:.2f} GiB, outputs {m['outputs'] / GIB:.2f} GiB, "
@@ -102,6 +119,11 @@ def report_lines(p: Plan) -> list:
       f"estimate if collectives do not overlap (step >= max(compute, HBM) + communication): "
       f"step >= {serial:.3g} s, MFU <= {p.mfu(serial):.1%}",
   ]
+  if p.figures.kernel_seconds:  # a GPU's
+    lines.append(f"estimate with the step's kernels one after another, each at its own roofline (a GPU runs one at a "
+                 f"time; --search ranks by it): step >= {p.overlapped_seconds():.3g} s with collectives overlapped, "
+                 f"{p.serial_seconds():.3g} s without, MFU <= {p.mfu(p.overlapped_seconds()):.1%}")
+    lines += [f"  {line}" for line in p.figures.kernel_report.splitlines()]
   if not p.roomy:
     lines.append(f"warning: less than {HEADROOM_WARNING:.0%} of HBM left; prefer more remat, microbatches or fsdp")
   return lines
@@ -128,9 +150,12 @@ def collectives_line(p: Plan, seconds: float) -> str:
     notes.append(f"{c.loops_of_unknown_length} loop(s) of unrecognised trip count counted once, so at least this")
   if p.num_slices > 1:
     notes.append("collectives across slices go over DCN, slower than ICI, yet are timed at ICI bandwidth")
+  if p.chip.kind == "GPU" and p.devices > 8:
+    notes.append("collectives between machines go over their network, slower than NVLink, yet are timed at NVLink "
+                 "bandwidth")
   return (f"collectives: bytes sent per device per step: {by_kind}; total {c.total:.3e} ({'; '.join(notes)}) "
-          f"-> {seconds:.3g} s at {p.ici_bandwidth / 1e9:.0f} GB/s ICI per device (all its chip's links busy; "
-          f"latency ignored)")
+          f"-> {seconds:.3g} s at {p.ici_bandwidth / 1e9:.0f} GB/s {p.chip.interconnect} per device (all its links "
+          f"busy; latency ignored)")
 
 
 def plan(arguments: dict, topology: str, num_slices: int, show=print, hbm_cap: Optional[float] = None) -> Plan:
@@ -151,7 +176,9 @@ def plan(arguments: dict, topology: str, num_slices: int, show=print, hbm_cap: O
     raise DoesNotFit(f"the compiled step needs {figures.hbm_total / GIB:.2f} GiB per device (temporaries "
                      f"{figures.memory['temporaries'] / GIB:.2f} GiB), more than the {p.hbm_limit / GIB:.2f} GiB "
                      "usable")
-  if p.scan_layers:  # the scanned program's memory and collectives, the unrolled step's FLOPs and bytes
+  # TPU: the scanned program's memory and collectives, the unrolled step's FLOPs and bytes. (A GPU's figures
+  # count loop bodies as often as they run.)
+  if p.scan_layers and not roofline.on_gpus(setup):
     unrolled = roofline.unrolled_figures(
         setup.family.config, setup.family.layer_count_fields,
         lambda config: roofline.measure(roofline.run_setup(
@@ -214,7 +241,10 @@ def _print_whole_lines():
 def described_topology_environment(topology: str) -> dict:
   """The environment in which libtpu compiles for a described topology and opens no TPU: it may then run beside
   any other libtpu user (another plan, training on this host), which libtpu's lockfile would refuse. libtpu
-  wants to know its host at load time; these values silence its warnings and do not change the topology."""
+  wants to know its host at load time; these values silence its warnings and do not change the topology.
+  For GPUs, gpu_topology.environment()."""
+  if gpu_topology.is_gpu_topology(topology):
+    return gpu_topology.environment()
   return {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
           "TPU_ACCELERATOR_TYPE": accelerator_type(topology)}
 

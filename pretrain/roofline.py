@@ -1,10 +1,11 @@
-"""A run's training step compiled ahead of time for a TPU topology, and the roofline figures it gives.
+"""A run's training step compiled ahead of time for a TPU topology or for GPUs, and the roofline figures it gives.
 
 `pretrain.plan` reports one layout with these figures and `pretrain.plan_search` ranks many. The chips'
 peaks live here, and so does FLOP counting, which `pretrain.throughput` also uses. A compile gives
 per-device HBM, FLOPs and bytes per step (loop bodies multiplied out) and the bytes sent in collectives;
 a scanned stack's FLOPs and bytes, which XLA counts once, come from small unrolled compiles extrapolated
-to full depth (`unrolled_figures`).
+to full depth (`unrolled_figures`). For GPUs (`pretrain.gpu_topology`) the figures come from the program's kernels
+(`pretrain.hlo_costs`), loop bodies counted as often as they run.
 """
 import dataclasses
 import math
@@ -12,6 +13,7 @@ import re
 import time
 from typing import Callable, Optional
 
+from pretrain import gpu_topology, hlo_costs
 from pretrain.collectives import Collectives, collective_traffic
 from pretrain.errors import ConfigError
 from pretrain.kernel_costs import KernelCosts, kernel_costs
@@ -37,6 +39,11 @@ class Chip:
   usable_hbm_bytes: float  # what XLA lets a program use: its out-of-memory message, libtpu 0.0.42.1
   device_kinds: tuple  # jax Device.device_kind of the generation, as jax/_src/pallas/mosaic/tpu_info.py names them
   ici_bandwidth: float  # bytes/s one chip sends over all its ICI links together, one direction
+  kind: str = "TPU"  # or "GPU" (pretrain.gpu_topology): its devices are joined by NVLink, not ICI
+
+  @property
+  def interconnect(self) -> str:
+    return "ICI" if self.kind == "TPU" else "NVLink"
 
 
 # Peak bf16 FLOP/s and HBM bandwidth per chip from the sources named; usable HBM measured by compiling
@@ -96,12 +103,18 @@ class DoesNotFit(Exception):
 
 
 def parse_topology(name: str) -> tuple:
-  """'v3:16x16' -> ('v3', 256 chips)."""
+  """'v3:16x16' -> (the v3 Chip, 256 chips); 'h100:8' -> (an H100 as a Chip, 8 GPUs)."""
+  if gpu_topology.is_gpu_topology(name):
+    gpu, machines, per_machine = gpu_topology.parse(name)
+    usable = gpu_topology.usable_memory_fraction() * gpu.memory_bytes
+    return Chip(name.split(":")[0], 1, gpu_peak_flops(gpu.device_kind), gpu.memory_bandwidth, usable,
+                (gpu.device_kind,), gpu.nvlink_bandwidth, "GPU"), machines * per_machine
   match = _TOPOLOGY.fullmatch(name)
   if not match or match.group(1) not in CHIPS:
     raise ConfigError(f"--topology={name!r}: expected <generation>:<chips per axis>, e.g. v3:16x16 "
-                     f"(generations {', '.join(CHIPS)})")
-  return match.group(1), math.prod(int(n) for n in match.group(2).split("x"))
+                      f"(generations {', '.join(CHIPS)}), or <gpu>:<GPUs>, e.g. h100:8 "
+                      f"(GPUs {', '.join(gpu_topology.GPUS)})")
+  return CHIPS[match.group(1)], math.prod(int(n) for n in match.group(2).split("x"))
 
 
 def peak_flops_per_device(device) -> Optional[float]:
@@ -113,13 +126,17 @@ def peak_flops_per_device(device) -> Optional[float]:
   for chip in CHIPS.values():
     if device.device_kind in chip.device_kinds:
       return chip.peak_bf16_flops * getattr(device, "num_cores", 1) / chip.tensorcores
-  return next((peak for name, peak in GPUS if re.search(rf"\b{name}\b", device.device_kind)), None)
+  return gpu_peak_flops(device.device_kind)
+
+
+def gpu_peak_flops(device_kind: str) -> Optional[float]:
+  """Dense bf16 FLOP/s of the GPU jax calls `device_kind`, None where unknown."""
+  return next((peak for name, peak in GPUS if re.search(rf"\b{name}\b", device_kind)), None)
 
 
 def accelerator_type(topology: str) -> str:
-  """'v3:16x16' -> 'v3-512', the Cloud name of the slice."""
-  generation, chips = parse_topology(topology)
-  chip = CHIPS[generation]
+  """'v3:16x16' -> 'v3-512', the Cloud name of the slice; 'h100:2x8' -> 'h100-16'."""
+  chip, chips = parse_topology(topology)
   return f"{chip.cloud_name}-{chips * chip.tensorcores}"
 
 
@@ -173,6 +190,8 @@ def compile_step(setup, hbm_cap: Optional[float] = None):
   the caller keeps JAX's persistent cache off for a described topology (`pretrain.plan.main`)."""
   from pretrain import steps
   lowered = steps.lower_train_step(setup)  # as train() lowers it
+  if on_gpus(setup):  # (XLA's GPU compiler takes no memory limit: Plan checks the step against it)
+    return gpu_topology.compiled(lowered)
   options = {} if hbm_cap is None else {HBM_CAP_OPTION: str(int(hbm_cap // 2**20))}
   try:
     return lowered.compile(compiler_options=options)
@@ -191,6 +210,10 @@ class StepFigures:
   bytes_accessed: float  # per step, likewise
   collectives: Collectives
   kernels: KernelCosts = KernelCosts()  # the Pallas kernels among the FLOPs and bytes (loop bodies once)
+  # GPUs: the step's kernels one after another, each at its own roofline (pretrain.hlo_costs); 0 on TPUs, whose
+  # compiler overlaps more of a step's work.
+  kernel_seconds: float = 0.0
+  kernel_report: str = ""  # GPUs: the costliest sources in kernel_seconds (a table; an extrapolation keeps self's)
 
   @property
   def hbm_total(self) -> float:
@@ -214,18 +237,34 @@ class StepFigures:
                               max(self.collectives.loops_of_unknown_length, other.collectives.loops_of_unknown_length))
     return StepFigures({use: figure(size, other.memory[use]) for use, size in self.memory.items()},
                        figure(self.flops, other.flops), figure(self.bytes_accessed, other.bytes_accessed),
-                       collectives, kernels)
+                       collectives, kernels, figure(self.kernel_seconds, other.kernel_seconds), self.kernel_report)
 
 
 def step_figures(compiled, setup) -> StepFigures:
-  """The figures of a compiled step (`compile_step(setup)`); a scanned stack's FLOPs and bytes counted once."""
+  """The figures of a compiled step (`compile_step(setup)`); on TPU, a scanned stack's FLOPs and bytes counted
+  once."""
   stats = compiled.memory_analysis()
   memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
             "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
   program = compiled.as_text()
+  collectives = collective_traffic(program, setup.mesh.devices.size)
+  if on_gpus(setup):
+    costs = hlo_costs.program_costs(program)
+    device = setup.mesh.devices.flat[0]
+    peaks = gpu_peak_flops(device.device_kind), gpu_topology.gpu_of(device.device_kind).memory_bandwidth
+    return StepFigures(memory, costs.flops, costs.bytes_accessed, collectives,
+                       kernel_seconds=costs.serial_seconds(*peaks),
+                       kernel_report=costs.report(*peaks, top=KERNEL_REPORT_SOURCES))
   kernels = kernel_costs(program)
   flops, bytes_accessed = step_cost(compiled, setup.microbatches, kernels)
-  return StepFigures(memory, flops, bytes_accessed, collective_traffic(program, setup.mesh.devices.size), kernels)
+  return StepFigures(memory, flops, bytes_accessed, collectives, kernels)
+
+
+KERNEL_REPORT_SOURCES = 12  # lines of a GPU plan's table of where its estimate goes
+
+
+def on_gpus(setup) -> bool:
+  return setup.mesh.devices.flat[0].platform in ("gpu", "cuda")
 
 
 def measure(setup, hbm_cap: Optional[float] = None) -> tuple:
@@ -289,7 +328,13 @@ def unrolled_figures(config, layer_count_fields, figures_of: Callable, mapper: C
 
 
 def slice_devices(topology: str, num_slices: int) -> list:
-  """The JAX devices of `num_slices` slices of libtpu's `topology`, described, not opened."""
+  """The JAX devices of `num_slices` slices of libtpu's `topology`, or of the GPUs a GPU topology names,
+  described, not opened."""
+  if gpu_topology.is_gpu_topology(topology):
+    if num_slices > 1:
+      raise ConfigError(f"--num_slices={num_slices}: GPU machines are not slices; give them in --topology, "
+                        "e.g. h100:4x8")
+    return gpu_topology.devices(topology)
   from jax.experimental import topologies
   extra = {"num_slices": num_slices} if num_slices > 1 else {}
   return topologies.get_topology_desc(topology_name=topology, platform="tpu", **extra).devices
@@ -310,11 +355,11 @@ def describe(setup, arguments: dict, topology: str, num_slices: int, hbm_cap: Op
   import jax
 
   from pretrain import steps
-  generation, chips = parse_topology(topology)
+  chip, chips = parse_topology(topology)
   devices = setup.mesh.devices.size
   config = setup.family.config
   plan = Plan(topology=topology, num_slices=num_slices, devices=devices,
-              device_kind=setup.mesh.devices.flat[0].device_kind, chip=CHIPS[generation],
+              device_kind=setup.mesh.devices.flat[0].device_kind, chip=chip,
               devices_per_chip=devices / (chips * num_slices), family=setup.family.name,
               parameters=sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
               batch_size=arguments["batch_size"],
@@ -394,13 +439,17 @@ class Plan:
     return max(times, key=times.get)
 
   def overlapped_seconds(self) -> float:
-    """The step's roofline bound with compute, HBM traffic and collectives fully overlapped."""
-    return max(self.step_seconds().values())
+    """The step's bound with its work and its collectives fully overlapped: on TPUs the roofline of all its
+    compute, HBM traffic and collectives; on GPUs, which run one kernel at a time, its kernels one after another,
+    each at its own roofline, or its collectives, whichever take longer."""
+    times = self.step_seconds()
+    return max(self.figures.kernel_seconds, times["communication"]) if self.figures.kernel_seconds else max(
+        times.values())
 
   def serial_seconds(self) -> float:
-    """The bound if collectives do not overlap: max(compute, HBM) + communication."""
+    """The bound if collectives do not overlap: the work's bound (as overlapped_seconds) + communication."""
     times = self.step_seconds()
-    return max(times["compute"], times["HBM"]) + times["communication"]
+    return (self.figures.kernel_seconds or max(times["compute"], times["HBM"])) + times["communication"]
 
   def mfu(self, step_seconds: float) -> float:
     return self.model_flops / (self.devices * self.peak_flops * step_seconds)

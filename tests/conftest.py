@@ -11,6 +11,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -18,8 +19,10 @@ import time
 import pytest
 
 import data_pipelines  # noqa: F401  (before any test module imports TensorFlow: data_pipelines/__init__.py)
+from helpers import GPU_PLAN_PACKAGES
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.append(GPU_PLAN_PACKAGES)  # the test workers' own, for the plans compiled for described GPUs
 
 
 def _jaxlib_version() -> tuple:

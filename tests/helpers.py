@@ -11,6 +11,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# jax's CUDA plugin and cuDNN (the gpu-plan extra), which `make install` puts beside the venv, not in it
+# (Makefile): conftest adds them to the test workers' path; the tests' subprocesses run without them.
+GPU_PLAN_PACKAGES = str(Path(sys.prefix) / "gpu-plan")
 
 # ----------------------------------------------------------------------------- programs, in subprocesses or here
 

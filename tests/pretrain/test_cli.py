@@ -6,13 +6,14 @@ import os
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from unittest import mock
 
 import gin
 import pytest
 
-from helpers import ROOT, STDERR_FILE, run, run_train
+from helpers import GPU_PLAN_PACKAGES, ROOT, STDERR_FILE, run, run_train
 from pretrain import cli, plan, train, trainer
 
 BERT_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin"
@@ -169,6 +170,27 @@ def test_a_cpu_run_prints_no_start_up_noise(bert_on_eight_devices):
   """TensorFlow's CUDA probing and absl's early-logging warning stay off stderr (data_pipelines.startup)."""
   stderr = (bert_on_eight_devices.parent / STDERR_FILE).read_text()
   assert not [line for line in stderr.splitlines() if START_UP_NOISE.search(line)], stderr[-3000:]
+
+
+# libtpu hidden (as where the tpu extra is not installed), then what a program's start does.
+CUDA_PLUGIN_ALONE = """
+import sys
+sys.modules["libtpu"] = None
+import data_pipelines.startup, jax
+print(jax.default_backend())
+"""
+
+
+def test_a_machine_without_accelerators_runs_jax_on_its_cpu_quietly_with_the_cuda_plugin_installed():
+  """The test install has jax's CUDA plugin (the gpu-plan extra): on a machine with neither a GPU nor a TPU, a
+  program left to choose its own platform is put on the CPU before the plugin can print a traceback
+  (data_pipelines.startup)."""
+  environment = {name: value for name, value in os.environ.items() if name != "JAX_PLATFORMS"}
+  environment["PYTHONPATH"] = GPU_PLAN_PACKAGES
+  result = subprocess.run([sys.executable, "-c", CUDA_PLUGIN_ALONE], cwd=ROOT, env=environment, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0 and result.stdout.split() == ["cpu"], result.stderr[-3000:]
+  assert "plugin configuration error" not in result.stderr and "cuPTI" not in result.stderr, result.stderr[-3000:]
 
 
 def readme_gin_commands():

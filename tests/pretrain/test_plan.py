@@ -179,10 +179,56 @@ def test_a_step_compiles_to_fit_the_hbm_limit_given_and_is_refused_below_what_it
                                                     f"{V3_USABLE_GIB:.2f} GiB a device of v3:2x2 has")
 
 
+H100_MEMORY_GIB = 81559 / 1024  # nvidia-smi's 81559 MiB of an H100 SXM 80GB
+H100_NVLINK_ONE_WAY = 900e9 / 2  # bytes/s: NVLink 4's 900 GB/s per GPU is both directions together
+GPU_PLAN = ("--topology=h100:8", "--gin.MESH_SHAPE={'data': 4, 'model': 2}", "--gin.MICROBATCHES=2",
+            "--gin.bert.BertConfig.vocab_size=2048", "--gin.bert.BertConfig.dtype='bfloat16'", *NO_DROPOUT)
+
+
+@pytest.fixture(scope="module")
+def gpu_plan():
+  result = run_plan(*GPU_PLAN)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def test_a_plan_for_described_gpus_counts_every_microbatch_and_times_collectives_at_nvlink(gpu_plan):
+  """Compiled for 8 described H100s by jax's CUDA plugin, with no GPU here. XLA gives no cost analysis there:
+  the figures are the program's kernels' (pretrain.hlo_costs)."""
+  assert "= 8 GPUs (NVIDIA H100 80GB HBM3)" in gpu_plan and "microbatches 2" in gpu_plan, gpu_plan
+  total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", gpu_plan)
+  assert limit == pytest.approx(0.75 * H100_MEMORY_GIB, abs=0.01)  # what jax takes of a GPU by default
+  assert 0 < total < limit
+  compiled, = figure(r"compiled FLOPs per device per step: ([\d.e+]+)", gpu_plan)
+  _, per_device, _ = figure(r"model FLOPs per step: ([\d.e+]+) = ([\d.e+]+) per device = ([\d.e+]+)", gpu_plan)
+  # The microbatch loop's body counted once would give half the model's FLOPs.
+  assert per_device <= compiled < 1.5 * per_device
+  by_kind, total_sent, seconds = collective_figures(gpu_plan)
+  parameters, = figure(r"([\d.]+)M parameters", gpu_plan)
+  assert by_kind.get("all-reduce", 0) + by_kind.get("reduce-scatter", 0) >= 3 / 4 * 4 * parameters * 1e6 / 2
+  assert seconds == pytest.approx(total_sent / H100_NVLINK_ONE_WAY, rel=1e-2)
+  # Kernels one after another, each at its own roofline, take at least what all FLOPs or all bytes take.
+  serial, = figure(r"collectives do not overlap .* step >= ([\d.e+-]+) s", gpu_plan)
+  overlapped, kernels, mfu = figure(
+      r"one after another, .* step >= ([\d.e+-]+) s with collectives overlapped, ([\d.e+-]+) s without, "
+      r"MFU <= ([\d.]+)%", gpu_plan)
+  assert serial <= kernels and seconds <= overlapped <= kernels and 0 < mfu <= 100
+
+
+def test_a_step_beyond_the_gpu_memory_jax_takes_does_not_fit():
+  with mock.patch.dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.0001"):  # 8 MiB of an H100
+    result = run_plan(*GPU_PLAN, ONE_LAYER)
+  assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+  assert "0.0001 of its memory usable (XLA_PYTHON_CLIENT_MEM_FRACTION)" in result.stdout
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("pretrain.plan: does not fit: the compiled step needs ") and "0.01 GiB usable" in last, last
+
+
 def test_an_unknown_topology_name_fails_with_one_line():
-  result = run_plan("--topology=v3-512")
-  assert result.returncode == 1
-  assert result.stderr.strip().splitlines()[-1].startswith("pretrain.plan: error: --topology='v3-512'")
+  for name in ("v3-512", "h100:9", "x100:8"):
+    result = run_plan(f"--topology={name}")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(f"pretrain.plan: error: --topology='{name}'"), name
 
 
 def test_an_encoder_decoder_model_plans_on_two_slices_with_the_replica_axis_across_them():

@@ -135,7 +135,7 @@ class MadeUpSearch(plan_search.LayoutSearch):
 def made_up_plan(hbm: float, limit: float, times: dict, chip_hbm: Optional[float] = None):
   """A stand-in for a compiled roofline.Plan: its HBM, headroom and step times, with the Plan's own arithmetic;
   `limit` below `chip_hbm`: compiled under a cap (--hbm_limit_gib)."""
-  plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm), hbm_limit=limit,
+  plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm, kernel_seconds=0.0), hbm_limit=limit,
                                chip_hbm=chip_hbm or limit,
                                step_seconds=lambda: times)
   for method in ("bound", "overlapped_seconds", "serial_seconds"):

@@ -314,13 +314,20 @@ def _attention_backward(causal, rate, tiling, interpret, residuals, d_out):
 _attention.defvjp(_attention_forward, _attention_backward)
 
 
+def _target_platform() -> str:
+  """The platform the traced program is for: its mesh's devices' where a mesh is set (a plan compiles for GPUs on a
+  CPU), else the default backend's."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return device.platform if device is not None else jax.devices()[0].platform
+
+
 def attention(q, k, v, *, key_valid=None, causal: bool = False, rate: float = 0.0, seed=None, bias=None,
               tiling: Tiling = TILING, interpret=None) -> jax.Array:
   """Softmax(q k^T / sqrt(head_dim) + bias) v over [batch, length, heads, head_dim] arrays, with the probabilities
   dropped out at `rate` under `seed` (two uint32 words: `Dropout.hash_seed`); `key_valid` [batch, keys]
   marks real keys; `bias` [batch, heads, queries, keys] (not with `causal`) is differentiated too. The kernels
-  are interpreted where `interpret` says, by default on a CPU (Triton compiles for GPUs only). The decisions do
-  not depend on the tiling."""
+  are interpreted where `interpret` says, by default where the program is for a CPU (Triton compiles for GPUs
+  only). The decisions do not depend on the tiling."""
   if bias is not None and (causal or bias.shape != (q.shape[0], q.shape[2], q.shape[1], k.shape[1])):
     raise ValueError(f"flash_dropout: a bias must be [batch, heads, queries, keys] = "
                      f"{[q.shape[0], q.shape[2], q.shape[1], k.shape[1]]}, not {list(bias.shape)}, and without "
@@ -335,5 +342,5 @@ def attention(q, k, v, *, key_valid=None, causal: bool = False, rate: float = 0.
                else jnp.broadcast_to(key_valid, (k.shape[0], k.shape[1])).astype(jnp.int32))
   seed = jnp.zeros((2,), jnp.uint32) if seed is None else seed
   if interpret is None:  # a chip that runs neither is refused earlier, by layers.attention_refusal
-    interpret = jax.devices()[0].platform == "cpu"
+    interpret = _target_platform() == "cpu"
   return _attention(q, k, v, key_valid, seed, bias, causal, float(rate), tiling, interpret)

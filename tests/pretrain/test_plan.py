@@ -224,6 +224,17 @@ def test_a_step_beyond_the_gpu_memory_jax_takes_does_not_fit():
   assert last.startswith("pretrain.plan: does not fit: the compiled step needs ") and "0.01 GiB usable" in last, last
 
 
+def test_the_triton_attention_kernels_are_planned_as_triton_kernels_not_in_pallas_interpreter():
+  """models/flash_dropout.py's kernels are interpreted where the program is for a CPU. A plan traces on a CPU for
+  GPUs: it gets them as Triton kernels, the forward, dk/dv and dq kernels of the one layer (library calls to the
+  plan: their FLOPs unknown), not as the interpreter's loops."""
+  result = run_plan("--topology=h100:1", "--gin.MESH_SHAPE={'data': 1}", "--gin.bert.BertConfig.vocab_size=2048",
+                    "--gin.bert.BertConfig.dtype='bfloat16'", "--gin.bert.BertConfig.attention_implementation='triton'",
+                    ONE_LAYER)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "warning: 3 kernel(s) of unknown FLOPs" in result.stdout, result.stdout
+
+
 def test_an_unknown_topology_name_fails_with_one_line():
   for name in ("v3-512", "h100:9", "x100:8"):
     result = run_plan(f"--topology={name}")

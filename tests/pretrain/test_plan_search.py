@@ -284,6 +284,24 @@ def test_the_best_line_compares_the_best_layout_with_the_runs_own():
   assert said([fast, compiled_too_big], compiled_too_big) == ", where the run's own layout does not fit"
 
 
+def test_a_search_over_gpus_ranks_layouts_by_their_kernels_one_after_another():
+  """Over two described H100s (pretrain.gpu_topology), the meshes data 2 and fsdp 2. A GPU runs one kernel at a
+  time: the table's figure for a layout is the plan's kernel-by-kernel estimate of it, not the whole step's
+  roofline, and the best layout is the fastest by it."""
+  searched = run_plan("--search", "--confirm=2", "--topology=h100:2", *TINY)
+  assert searched.returncode == 0, searched.stdout[-3000:] + searched.stderr[-3000:]
+  rows = [row for row in table_rows(searched.stdout) if row[3].startswith("confirmed")]
+  assert sorted(layout for layout, *_ in rows) == ["data=2 mb=1 remat=none unrolled",
+                                                  "fsdp=2 mb=1 remat=none unrolled"], searched.stdout
+  assert [row[2] for row in rows] == sorted(row[2] for row in rows) and all(fits for _, fits, *_ in rows)
+  for layout, _, seconds, _ in rows:
+    mesh = "{'fsdp': 2}" if layout.startswith("fsdp") else "{'data': 2}"
+    planned = run_plan("--topology=h100:2", f"--gin.MESH_SHAPE={mesh}", *TINY)
+    kernels = re.search(r"one after another, .* step >= ([\d.e+-]+) s with collectives overlapped", planned.stdout)
+    assert kernels and float(kernels.group(1)) == pytest.approx(seconds, rel=1e-2), (layout, planned.stdout)
+  assert re.search(rf"^best: {re.escape(rows[0][0])}\b", searched.stdout, re.MULTILINE), searched.stdout
+
+
 def test_max_minutes_stops_the_search_and_reports_what_it_has():
   result = run_plan("--search", "--max_minutes=0.0001", *TINY)  # over before the first compile
   assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]

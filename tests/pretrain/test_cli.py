@@ -1,19 +1,19 @@
 """What a user gets wrong ends pretrain.train with one line naming it and exit code 1; a bug keeps its
 traceback. The cases fail before any training, so they run in this process through the program's
 own main and error handling. Every program has a --help; a run prints no start-up noise."""
+import importlib.util
 import json
 import os
 import re
 import runpy
 import shlex
-import subprocess
 import sys
 from unittest import mock
 
 import gin
 import pytest
 
-from helpers import GPU_PLAN_PACKAGES, ROOT, STDERR_FILE, run, run_train
+from helpers import ROOT, STDERR_FILE, run, run_train
 from pretrain import cli, plan, train, trainer
 
 BERT_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin"
@@ -172,25 +172,22 @@ def test_a_cpu_run_prints_no_start_up_noise(bert_on_eight_devices):
   assert not [line for line in stderr.splitlines() if START_UP_NOISE.search(line)], stderr[-3000:]
 
 
-# libtpu hidden (as where the tpu extra is not installed), then what a program's start does.
-CUDA_PLUGIN_ALONE = """
-import sys
-sys.modules["libtpu"] = None
-import data_pipelines.startup, jax
-print(jax.default_backend())
-"""
+def test_jaxs_cuda_plugin_counts_among_the_plugins_that_complain_on_a_machine_without_accelerators(monkeypatch):
+  """With jax's CUDA plugin installed (the gpu-plan extra: on this worker's path) and no GPU, JAX left to choose its
+  platform prints the plugin's traceback ("Unable to load cuPTI") before it falls back to the CPU; so, like libtpu,
+  the plugin makes a program's start choose the CPU where the machine has no accelerator (data_pipelines.startup;
+  whether it has one is read from its PCI devices)."""
+  from data_pipelines import startup
+  find_spec = importlib.util.find_spec
 
+  def without(*hidden):
+    return lambda name, *args: None if name in hidden else find_spec(name, *args)
 
-def test_a_machine_without_accelerators_runs_jax_on_its_cpu_quietly_with_the_cuda_plugin_installed():
-  """The test install has jax's CUDA plugin (the gpu-plan extra): on a machine with neither a GPU nor a TPU, a
-  program left to choose its own platform is put on the CPU before the plugin can print a traceback
-  (data_pipelines.startup)."""
-  environment = {name: value for name, value in os.environ.items() if name != "JAX_PLATFORMS"}
-  environment["PYTHONPATH"] = GPU_PLAN_PACKAGES
-  result = subprocess.run([sys.executable, "-c", CUDA_PLUGIN_ALONE], cwd=ROOT, env=environment, capture_output=True,
-                          text=True, timeout=300)
-  assert result.returncode == 0 and result.stdout.split() == ["cpu"], result.stderr[-3000:]
-  assert "plugin configuration error" not in result.stderr and "cuPTI" not in result.stderr, result.stderr[-3000:]
+  monkeypatch.setattr(importlib.util, "find_spec", without("libtpu"))
+  assert startup._accelerator_plugin_installed()
+  cuda_plugins = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+  monkeypatch.setattr(importlib.util, "find_spec", without("libtpu", *cuda_plugins))
+  assert not startup._accelerator_plugin_installed()
 
 
 def readme_gin_commands():

@@ -29,11 +29,13 @@ _SENT_PER_RESULT_BYTE = {
 # all-reduce of the whole buffer, from which each device slices its part. It moves what a reduce-scatter
 # moves, (n-1)/n of the buffer, not an all-reduce's 2(n-1)/n.
 _REDUCE_SCATTER_FUSION = "all-reduce-scatter"
-# Opcode -> kind. An async collective is a -start and a -done; the -start carries the transfer.
+# Opcode -> kind. An async collective is a -start and a -done; the -start carries the transfer. (XLA's GPU
+# programs make every kind async; libtpu's, all but reduce-scatter and all-to-all.)
 _COLLECTIVE_OPCODES = {**{kind: kind for kind in COLLECTIVE_KINDS},
-                       **{f"{kind}-start": kind for kind in ("all-reduce", "all-gather", "collective-permute")}}
-# Its result tuple holds the operands, then the results: (input, output[, contexts]).
-_ASYNC_RESULT_ELEMENT = {"all-gather-start": 1, "collective-permute-start": 1}
+                       **{f"{kind}-start": kind for kind in COLLECTIVE_KINDS}}
+# Its result tuple holds the operands, then the results: (input, output[, contexts]); an all-reduce-start's result is
+# its output.
+_ASYNC_RESULT_ELEMENT = {f"{kind}-start": 1 for kind in COLLECTIVE_KINDS if kind != "all-reduce"}
 _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                   "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY_TYPE = re.compile(r"([a-z]\w*)\[([\d,]*)\]")  # f32[4,128] in `f32[4,128]{1,0:T(8,128)}`

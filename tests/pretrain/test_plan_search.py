@@ -13,7 +13,7 @@ from unittest import mock
 import numpy as np
 import pytest
 from helpers import host_devices, logged_losses, run_module
-from test_plan import NO_DROPOUT, run_plan
+from test_plan import NO_DROPOUT, collective_figures, figure, run_plan
 
 from pretrain import plan_search, roofline
 
@@ -140,8 +140,8 @@ def made_up_plan(hbm: float, limit: float, times: dict, chip_hbm: Optional[float
                                step_seconds=lambda: times)
   for method in ("bound", "overlapped_seconds", "serial_seconds"):
     setattr(plan, method, getattr(roofline.Plan, method).__get__(plan))
-  for figure in ("headroom", "roomy"):
-    setattr(plan, figure, getattr(roofline.Plan, figure).fget(plan))
+  for name in ("headroom", "roomy"):
+    setattr(plan, name, getattr(roofline.Plan, name).fget(plan))
   return plan
 
 
@@ -299,6 +299,14 @@ def test_a_search_over_gpus_ranks_layouts_by_their_kernels_one_after_another():
     planned = run_plan("--topology=h100:2", f"--gin.MESH_SHAPE={mesh}", *TINY)
     kernels = re.search(r"one after another, .* step >= ([\d.e+-]+) s with collectives overlapped", planned.stdout)
     assert kernels and float(kernels.group(1)) == pytest.approx(seconds, rel=1e-2), (layout, planned.stdout)
+    # Each device sends at least half of every f32 gradient. XLA's GPU program makes every collective asynchronous
+    # (reduce-scatter-start, ...): under fsdp it reduce-scatters the sharded gradients, and the embedding's goes
+    # through an all-to-all; the rest are all-reduced.
+    sent, _, _ = collective_figures(planned.stdout)
+    parameters, = figure(r"([\d.]+)M parameters", planned.stdout)
+    gradients = sum(sent.get(kind, 0) for kind in ("reduce-scatter", "all-reduce", "all-to-all"))
+    assert gradients >= 0.5 * 4 * parameters * 1e6 * 0.9, sent  # (parameters as printed, to 0.1M)
+    assert ("reduce-scatter" in sent) == layout.startswith("fsdp"), (layout, sent)
   assert re.search(rf"^best: {re.escape(rows[0][0])}\b", searched.stdout, re.MULTILINE), searched.stdout
 
 

@@ -97,7 +97,9 @@ class Lease:
       if not self._written:  # another process's lease (process 0 holds it for the job): not this one's to read
         return
       held = self.holder()
-      if held and held.get("token") == self._record["token"]:
+      # Ours, or unreadable: a write of ours cut short by the signal now stopping this process (the file made,
+      # nothing written). No other run writes the file while this one holds it.
+      if held and held.get("token", self._record["token"]) == self._record["token"]:
         self.path.unlink()
 
   def _beat(self) -> None:

@@ -67,6 +67,23 @@ def test_a_signal_right_after_the_lease_is_written_releases_it(tmp_path, monkeyp
   assert signalled and not taker.path.exists()
 
 
+def test_a_signal_while_the_lease_is_written_releases_the_file_it_cut_short(tmp_path, monkeypatch):
+  """As when SIGTERM arrives while acquire() writes the lease (test_multihost saw RUNNING left, empty, after a stop in
+  the start-up): the file is made but nothing is written into it; the signal's exit path removes it."""
+  taker = lease.Lease(str(tmp_path))
+  write_text = type(taker.path).write_text
+
+  def cut_short(path, text, *args, **kwargs):
+    write_text(path, "", *args, **kwargs)  # opened for writing: the file is there, empty
+    raise KeyboardInterrupt
+  monkeypatch.setattr(type(taker.path), "write_text", cut_short)
+  with pytest.raises(KeyboardInterrupt):
+    taker.acquire()
+  assert taker.path.exists() and taker.path.read_text() == ""
+  taker.release()  # what pretrain.signals runs on the way out
+  assert not taker.path.exists()
+
+
 def test_a_stale_lease_from_another_host_is_taken_over(tmp_path):
   (tmp_path / lease.LEASE_FILE).write_text(json.dumps({"host": "gone-host", "pid": 1, "heartbeat": time.time() - 61}))
   taker = lease.Lease(str(tmp_path))

@@ -179,6 +179,11 @@ def group_size(attributes: str, devices: int) -> int:
   raise ValueError(f"unrecognised replica groups in HLO: {attributes[:300]}")
 
 
+def is_collective(opcode: str) -> bool:
+  """A collective's opcode, or an async collective's -start or -done."""
+  return opcode.removesuffix("-done") in _COLLECTIVE_OPCODES
+
+
 def bytes_sent(instruction: HloInstruction, devices: int, in_reduce_scatter_fusion: bool = False) -> tuple:
   """(kind, bytes one device sends) of a collective instruction; (None, 0) for any other."""
   kind = _COLLECTIVE_OPCODES.get(instruction.opcode)

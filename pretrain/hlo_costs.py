@@ -18,15 +18,13 @@ import re
 from typing import List, Optional
 
 from pretrain import op_profile
-from pretrain.collectives import HloInstruction, parse_hlo, tuple_elements, type_bytes, while_trip_count
+from pretrain.collectives import (HloInstruction, is_collective, parse_hlo, tuple_elements, type_bytes,
+                                  while_trip_count)
 
 # Instructions that launch nothing and move no bytes of their own.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "domain"}
-_COLLECTIVE = re.compile(r"^(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast)"
-                         r"(-start|-done)?$|^(send|recv)(-done)?$")
 _SLICES = ("slice", "dynamic-slice")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _DIMS = re.compile(r"\[([\d,]*)\]")
 
 
@@ -72,9 +70,11 @@ def _product_flops(result_type: str, lhs_type: str, lhs_contracting: List[int]) 
   return 2.0 * math.prod(_shape(result_type)) * math.prod(lhs[d] for d in lhs_contracting)
 
 
-def _dims_attribute(attributes: str, name: str) -> List[int]:
-  match = re.search(rf"\b{name}=\{{([\d,]*)\}}", attributes)
-  return [int(d) for d in match.group(1).split(",") if d] if match else []
+def _dot_flops(dot: HloInstruction, lhs_type: str) -> float:
+  """FLOPs of an HLO dot instruction whose left operand is of `lhs_type`."""
+  match = re.search(r"\blhs_contracting_dims=\{([\d,]*)\}", dot.attributes)
+  contracting = [int(d) for d in match.group(1).split(",") if d] if match else []
+  return _product_flops(dot.type, lhs_type, contracting)
 
 
 def _library_call_flops(instruction: HloInstruction, operand_types: List[str]) -> Optional[float]:
@@ -125,9 +125,8 @@ def _fusion_cost(instruction: HloInstruction, operand_types: List[str], fused) -
       read += type_bytes(operand_type)
   written = (2 * type_bytes(fused.instructions[root.operands[1]].type) if updated
              else type_bytes(_result_type(instruction)))
-  flops = sum(_product_flops(i.type, fused.instructions[i.operands[0]].type,
-                             _dims_attribute(i.attributes, "lhs_contracting_dims"))
-              for i in fused.instructions.values() if i.opcode == "dot")
+  flops = sum(_dot_flops(i, fused.instructions[i.operands[0]].type) for i in fused.instructions.values()
+              if i.opcode == "dot")
   return flops, read + written
 
 
@@ -168,6 +167,7 @@ class ProgramCosts:
 def program_costs(hlo_text: str) -> ProgramCosts:
   """The kernels of a compiled program (`compiled.as_text()`) with their costs per step."""
   computations, entry = parse_hlo(hlo_text)
+  sources = op_profile.instruction_sources(hlo_text)
   unknown_loops = [0]
 
   @functools.lru_cache(maxsize=None)
@@ -175,7 +175,7 @@ def program_costs(hlo_text: str) -> ProgramCosts:
     computation, kernels = computations[name], []
     for instruction in computation.instructions.values():
       opcode = instruction.opcode
-      if opcode in _FREE or _COLLECTIVE.match(opcode):
+      if opcode in _FREE or is_collective(opcode):
         continue
       if opcode == "while":
         runs = while_trip_count(instruction, computation, computations)
@@ -189,8 +189,6 @@ def program_costs(hlo_text: str) -> ProgramCosts:
         continue
       operand_types = [computation.instructions[o].type for o in instruction.operands
                        if o in computation.instructions]
-      source = _OP_NAME.search(instruction.attributes)
-      source = source.group(1) if source else ""
       flops, counted = 0.0, True
       if opcode == "fusion":
         flops, moved = _fusion_cost(instruction, operand_types, computations[instruction.called("calls")[0]])
@@ -202,9 +200,8 @@ def program_costs(hlo_text: str) -> ProgramCosts:
           flops = _library_call_flops(instruction, operand_types)
           counted, flops = flops is not None, flops or 0.0
         elif opcode == "dot":
-          flops = _product_flops(instruction.type, operand_types[0],
-                                 _dims_attribute(instruction.attributes, "lhs_contracting_dims"))
-      kernels.append(Kernel(instruction.name, source, flops, moved, counted=counted))
+          flops = _dot_flops(instruction, operand_types[0])
+      kernels.append(Kernel(instruction.name, sources.get(instruction.name, ""), flops, moved, counted=counted))
     return tuple(kernels)
 
   kernels = list(kernels_of(entry))

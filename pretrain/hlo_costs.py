@@ -123,8 +123,8 @@ def _fusion_cost(instruction: HloInstruction, operand_types: List[str], fused) -
       read += min(type_bytes(operand_type), sum(type_bytes(u.type) for u in users[name]))
     else:
       read += type_bytes(operand_type)
-  written = (2 * type_bytes(fused.instructions[root.operands[1]].type) if updated
-             else type_bytes(_result_type(instruction)))
+  # An in-place update writes the updated region; what it is made from was read among the operands.
+  written = type_bytes(fused.instructions[root.operands[1]].type if updated else _result_type(instruction))
   flops = sum(_dot_flops(i, fused.instructions[i.operands[0]].type) for i in fused.instructions.values()
               if i.opcode == "dot")
   return flops, read + written
@@ -192,8 +192,8 @@ def program_costs(hlo_text: str) -> ProgramCosts:
       flops, counted = 0.0, True
       if opcode == "fusion":
         flops, moved = _fusion_cost(instruction, operand_types, computations[instruction.called("calls")[0]])
-      elif opcode == "dynamic-update-slice":  # in place: the update is read and written, the buffer left alone
-        moved = 2 * type_bytes(operand_types[1]) + sum(type_bytes(t) for t in operand_types[2:])
+      elif opcode == "dynamic-update-slice":  # in place: the update and indices read, the region written
+        moved = sum(type_bytes(t) for t in operand_types[1:]) + type_bytes(operand_types[1])
       else:
         moved = sum(type_bytes(t) for t in operand_types) + type_bytes(_result_type(instruction))
         if opcode == "custom-call":

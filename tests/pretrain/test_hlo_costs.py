@@ -43,11 +43,11 @@ def test_a_fusion_that_slices_an_operand_reads_the_slice_not_the_operand():
   assert costs.bytes_accessed == pytest.approx(2 * 1024 * 8 * F32, rel=0.01)  # the slice read, the result written
 
 
-def test_an_update_in_place_moves_the_update_not_the_buffer():
+@pytest.mark.parametrize("made", [lambda u: u, lambda u: u * 2], ids=["unfused", "fused with its update's maker"])
+def test_an_update_in_place_reads_the_update_and_writes_its_region_not_the_buffer(made):
   buffer, update = jnp.ones((1024, 1024)), jnp.ones((8, 1024))
-  costs = costs_of(lambda b, u: jax.lax.dynamic_update_slice(b, u, (0, 0)), buffer, update, donate=(0,))
-  assert costs.bytes_accessed < 3 * update.size * F32
-  assert costs.bytes_accessed >= 2 * update.size * F32
+  costs = costs_of(lambda b, u: jax.lax.dynamic_update_slice(b, made(u), (0, 0)), buffer, update, donate=(0,))
+  assert 2 * update.size * F32 <= costs.bytes_accessed < 2.1 * update.size * F32
 
 
 def test_cudnn_flash_attention_counts_its_products_and_the_scores_recomputed_in_its_backward_pass():

@@ -1,15 +1,18 @@
 """The collectives of a compiled XLA program: the bytes each device sends per step, read from its HLO text.
 
-`pretrain.plan` adds them to its estimate of step time. The HLO text format is libtpu's (0.0.42.1): an
-unknown replica-group format raises, and a loop whose trip count cannot be read is counted once and
-said so.
+`pretrain.plan` adds them to its estimate of step time, those between islands (GPU machines, TPU slices) apart:
+their bytes cross the slower network between them. The HLO text format is libtpu's (0.0.42.1) or XLA's GPU
+compiler's (jax 0.10.2): an unknown replica-group format or DCN transfer raises, and a loop whose trip count cannot
+be read is counted once and said so.
 """
 import collections
 import dataclasses
 import functools
 import math
 import re
-from typing import Optional
+from typing import Optional, Sequence
+
+import numpy as np
 
 # The step's cross-device collectives, read from the compiled program's HLO text. What one device sends
 # in a bandwidth-optimal (ring) collective over a group of n devices, as a multiple of the buffer its
@@ -33,6 +36,12 @@ _REDUCE_SCATTER_FUSION = "all-reduce-scatter"
 # programs make every kind async; libtpu's, all but reduce-scatter and all-to-all.)
 _COLLECTIVE_OPCODES = {**{kind: kind for kind in COLLECTIVE_KINDS},
                        **{f"{kind}-start": kind for kind in COLLECTIVE_KINDS}}
+# libtpu sends what crosses slices over DCN as host transfers: a `send` whose frontend attributes name the
+# collective (megascale's transfer type) and, for a reduction, the slices in its group ({1,2}x{0:7}: slices 1 and 2,
+# each device's part). Each device sends its part: the send's operand.
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ONE_TO_ONE": "collective-permute"}
+_MEGASCALE_TRANSFER = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_MEGASCALE_SLICES = re.compile(r'_xla_megascale_target="\{([\d,:]*)\}x')
 # Its result tuple holds the operands, then the results: (input, output[, contexts]); an all-reduce-start's result is
 # its output.
 _ASYNC_RESULT_ELEMENT = {f"{kind}-start": 1 for kind in COLLECTIVE_KINDS if kind != "all-reduce"}
@@ -42,8 +51,9 @@ _ARRAY_TYPE = re.compile(r"([a-z]\w*)\[([\d,]*)\]")  # f32[4,128] in `f32[4,128]
 _INSTRUCTION = re.compile(r"\s+(?:ROOT )?%(\S+) = ")
 _COMPUTATION = re.compile(r"(?:ENTRY )?%(\S+) .*\{$")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\})?")  # {{0,1},{2,3}}; {} is all devices
-_IOTA_GROUPS = re.compile(r"replica_groups=\[\d+,(\d+)\]<=")  # [groups,size]<=[8] or <=[4,2]T(1,0)
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(.*?\))? \{([^}]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]*\](?:T\([\d,]*\))?)")  # <=[8], <=[4,2]T(1,0)
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}")
+_IOTA = re.compile(r"\[([\d,]*)\](?:T\(([\d,]*)\))?")  # [4,2]T(1,0): iota over [4,2], transposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,18 +175,53 @@ def tuple_elements(hlo_type: str) -> list:
   return [re.sub(r"/\*.*?\*/", "", element) for element in elements]
 
 
-def group_size(attributes: str, devices: int) -> int:
-  """Devices in each replica group of a collective, in any of the forms XLA prints its groups:
-  explicit {{0,1},{2,3}} ({} for all devices), iota [groups,size]<=[...], or a mesh with the axes grouped."""
+def _iota(text: str) -> np.ndarray:
+  """'[4,2]T(1,0)' -> arange(8) laid out as [4,2], then transposed."""
+  dims, permutation = _IOTA.fullmatch(text).groups()
+  ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+  return ids.transpose([int(p) for p in permutation.split(",")]) if permutation else ids
+
+
+def replica_groups(attributes: str, devices: int) -> np.ndarray:
+  """[groups, size] of the device ids (partitions) of each replica group of a collective, in any of the forms XLA
+  prints them: explicit {{0,1},{2,3}} ({} for all devices), iota [groups,size]<=[...], or a mesh with the axes
+  grouped."""
   explicit, iota, mesh = (pattern.search(attributes) for pattern in (_EXPLICIT_GROUPS, _IOTA_GROUPS, _MESH_GROUPS))
   if mesh:
     sizes = {axis: int(size) for axis, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
-    return math.prod(sizes[axis] for axis in re.findall(r"'(\w+)'", mesh.group(2)))
+    ids = np.arange(devices) if mesh.group(2) is None else (
+        _iota(mesh.group(2)) if mesh.group(2).startswith("[") else np.array(re.findall(r"\d+", mesh.group(2)), int))
+    ids = ids.reshape(list(sizes.values()))
+    grouped = [list(sizes).index(axis) for axis in re.findall(r"'(\w+)'", mesh.group(3))]
+    others = [axis for axis in range(len(sizes)) if axis not in grouped]
+    return ids.transpose(others + grouped).reshape(-1, math.prod(ids.shape[axis] for axis in grouped))
   if iota:
-    return int(iota.group(1))
+    return _iota(iota.group(3)).reshape(int(iota.group(1)), int(iota.group(2)))
   if explicit:
-    return len(re.findall(r"\d+", explicit.group(1))) if explicit.group(1) else devices
+    if not explicit.group(1):
+      return np.arange(devices)[None]
+    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes).group(1)
+    return np.array([[int(d) for d in group.split(",")] for group in re.findall(r"\{([\d,]+)\}", listed)])
   raise ValueError(f"unrecognised replica groups in HLO: {attributes[:300]}")
+
+
+def group_size(attributes: str, devices: int) -> int:
+  """Devices in each replica group of a collective."""
+  return replica_groups(attributes, devices).shape[1]
+
+
+def _permute_pairs(attributes: str) -> list:
+  """A collective-permute's (source, target) device ids."""
+  pairs = re.search(r"source_target_pairs=(\{[\d,{}]*\})", attributes)
+  return [(int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1))] if pairs else []
+
+
+def spans_islands(instruction: HloInstruction, devices: int, islands: Sequence[int]) -> bool:
+  """Whether a collective moves data between islands (GPU machines, TPU slices): `islands[i]` is device i's."""
+  if instruction.opcode.removesuffix("-start") == "collective-permute":
+    return any(islands[source] != islands[target] for source, target in _permute_pairs(instruction.attributes))
+  groups = np.asarray(islands)[replica_groups(instruction.attributes, devices)]
+  return bool((groups != groups[:, :1]).any())
 
 
 def is_collective(opcode: str) -> bool:
@@ -184,8 +229,28 @@ def is_collective(opcode: str) -> bool:
   return opcode.removesuffix("-done") in _COLLECTIVE_OPCODES
 
 
+def _megascale_bytes_sent(instruction: HloInstruction) -> tuple:
+  """(kind, bytes one device sends over DCN) of a libtpu `send` between slices."""
+  transfer = _MEGASCALE_TRANSFER.search(instruction.attributes).group(1)
+  if transfer not in _MEGASCALE_KINDS:
+    raise ValueError(f"unknown DCN transfer {transfer!r} in HLO: {instruction.attributes[:300]}")
+  kind, sent = _MEGASCALE_KINDS[transfer], type_bytes(tuple_elements(instruction.type)[0])
+  if kind == "all-reduce":
+    entries = _MEGASCALE_SLICES.search(instruction.attributes).group(1).split(",")  # slice ids, or ranges a:b
+    slices = sum(int(end) - int(start) + 1 if end else 1 for start, _, end in (e.partition(":") for e in entries))
+    sent *= _SENT_PER_RESULT_BYTE[kind](slices)
+  return kind, sent
+
+
+def between_slices(instruction: HloInstruction) -> bool:
+  """A libtpu `send` of a collective's part over DCN, to other slices."""
+  return instruction.opcode == "send" and "_xla_megascale_transfer_type" in instruction.attributes
+
+
 def bytes_sent(instruction: HloInstruction, devices: int, in_reduce_scatter_fusion: bool = False) -> tuple:
   """(kind, bytes one device sends) of a collective instruction; (None, 0) for any other."""
+  if between_slices(instruction):
+    return _megascale_bytes_sent(instruction)
   kind = _COLLECTIVE_OPCODES.get(instruction.opcode)
   if kind is None:
     return None, 0
@@ -196,8 +261,7 @@ def bytes_sent(instruction: HloInstruction, devices: int, in_reduce_scatter_fusi
   if instruction.opcode in _ASYNC_RESULT_ELEMENT:
     result = tuple_elements(result)[_ASYNC_RESULT_ELEMENT[instruction.opcode]]
   if kind == "collective-permute":
-    pairs = re.search(r"source_target_pairs=(\{[\d,{}]*\})", instruction.attributes)
-    moves = pairs and any(a != b for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1)))
+    moves = any(source != target for source, target in _permute_pairs(instruction.attributes))
     return kind, type_bytes(result) if moves else 0
   return kind, _SENT_PER_RESULT_BYTE[kind](group_size(instruction.attributes, devices)) * type_bytes(result)
 
@@ -236,33 +300,39 @@ class Collectives:
   """Bytes one device sends per step in the step's collectives, each loop body counted as often as it runs."""
   bytes_by_kind: dict
   loops_of_unknown_length: int = 0  # their bodies counted once: the bytes are then a lower bound
+  # Of the total, the bytes of collectives whose groups span islands (GPU machines, TPU slices): their transfers go
+  # over the network between them (a ring through the group crosses it), not over NVLink or ICI alone.
+  between_islands: float = 0.0
 
   @property
   def total(self) -> float:
     return sum(self.bytes_by_kind.values())
 
 
-def collective_traffic(hlo_text: str, devices: int) -> Collectives:
-  """Collectives of a compiled program (`compiled.as_text()`) on `devices` devices.
+def collective_traffic(hlo_text: str, devices: int, islands: Optional[Sequence[int]] = None) -> Collectives:
+  """Collectives of a compiled program (`compiled.as_text()`) on `devices` devices; `islands[i]`: the island of
+  the program's device i (None: one island).
 
   XLA lists a loop body once: a while loop's body counts as many times as the loop runs (scanned
   layers, microbatches); a conditional counts as its costliest branch.
   """
   computations, entry = parse_hlo(hlo_text)
   unknown_loops = set()
+  several_islands = islands is not None and len(set(islands)) > 1
 
   @functools.lru_cache(maxsize=None)
   def sent_in(name: str) -> collections.Counter:
-    """Bytes by kind in one run of computation `name`, with all it calls."""
+    """Bytes by (kind, whether between islands) in one run of computation `name`, with all it calls."""
     computation, total = computations[name], collections.Counter()
 
     def add(callee: str, runs: int = 1) -> None:
-      total.update({kind: runs * sent for kind, sent in sent_in(callee).items()})
+      total.update({key: runs * sent for key, sent in sent_in(callee).items()})
 
     for instruction in computation.instructions.values():
       kind, sent = bytes_sent(instruction, devices, name.startswith(_REDUCE_SCATTER_FUSION))
       if kind:  # (its `to_apply` is the reduction, no collective)
-        total[kind] += sent
+        total[kind, between_slices(instruction) or (several_islands and sent > 0
+                                                    and spans_islands(instruction, devices, islands))] += sent
       elif instruction.opcode == "while":  # (its condition holds no collective)
         runs = while_trip_count(instruction, computation, computations)
         if runs is None:
@@ -279,5 +349,7 @@ def collective_traffic(hlo_text: str, devices: int) -> Collectives:
           add(callee)
     return total
 
-  by_kind = sent_in(entry)
-  return Collectives({kind: by_kind[kind] for kind in COLLECTIVE_KINDS if by_kind[kind]}, len(unknown_loops))
+  sent = sent_in(entry)
+  by_kind = {kind: sent[kind, False] + sent[kind, True] for kind in COLLECTIVE_KINDS}
+  return Collectives({kind: by_kind[kind] for kind in COLLECTIVE_KINDS if by_kind[kind]}, len(unknown_loops),
+                     sum(sent[kind, True] for kind in COLLECTIVE_KINDS))

@@ -31,6 +31,7 @@ class Gpu:
   shared_memory_per_multiprocessor: int  # bytes
   shared_memory_per_block_optin: int  # bytes
   nvlink_bandwidth: float  # bytes/s one GPU sends over NVLink, one direction
+  network_bandwidth: float  # bytes/s one GPU sends to other machines, one direction: its own network adapter's
 
   def target_config(self) -> str:
     """The GPU as the text of XLA's GpuTargetConfig proto."""
@@ -55,14 +56,16 @@ device_description_str: "{self.device_kind}"
 # NVIDIA's datasheets and architecture whitepapers (A100: "NVIDIA A100 Tensor Core GPU Architecture"; H100:
 # "NVIDIA H100 Tensor Core GPU Architecture"; H200: the H200 datasheet), SXM parts: boost clocks, L2, shared
 # memory per SM, memory bandwidth; memory as the driver reports it (nvidia-smi's MiB); NVLink 600 GB/s (A100)
-# and 900 GB/s (H100, H200) in both directions together.
+# and 900 GB/s (H100, H200) in both directions together. Between machines, a network adapter per GPU as NVIDIA's
+# DGX systems have them (the DGX A100, H100 and H200 datasheets): 200 Gbit/s (ConnectX-6) for an A100, 400 Gbit/s
+# (ConnectX-7) for an H100 or H200. (Clouds' GPU machines may have fewer or slower adapters.)
 GPUS = {
     "a100": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 108, 81920 * 2**20, 2039e9, 40 * 2**20, 1.41, 167936, 166912,
-                600e9 / 2),
+                600e9 / 2, 200e9 / 8),
     "h100": Gpu("NVIDIA H100 80GB HBM3", (9, 0), 132, 81559 * 2**20, 3.35e12, 50 * 2**20, 1.98, 233472, 232448,
-                900e9 / 2),
+                900e9 / 2, 400e9 / 8),
     "h200": Gpu("NVIDIA H200", (9, 0), 132, 143771 * 2**20, 4.8e12, 50 * 2**20, 1.98, 233472, 232448,
-                900e9 / 2),
+                900e9 / 2, 400e9 / 8),
 }
 
 

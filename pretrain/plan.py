@@ -76,8 +76,11 @@ here: one per CPU and {plan_search.COMPILE_HOST_BYTES // 2**30} GiB of RAM, at m
 def setup_lines(p: Plan) -> list:
   capped = "" if p.hbm_cap is None else f" (--hbm_limit_gib; the chip's {p.chip_hbm / GIB:.2f})"
   if p.chip.kind == "GPU":
-    where = (f"topology: {p.topology} = {p.devices} GPU{'s' if p.devices > 1 else ''} ({p.device_kind}); per GPU "
-             f"{gpu_topology.memory_note()}, ")
+    machines = gpu_topology.parse(p.topology)[1]
+    network = (f" in {machines} machines, {p.network_bandwidth / 1e9:.0f} GB/s between them (a network adapter per "
+               "GPU)" if machines > 1 else "")
+    where = (f"topology: {p.topology} = {p.devices} GPU{'s' if p.devices > 1 else ''} ({p.device_kind}){network}; "
+             f"per GPU {gpu_topology.memory_note()}, ")
   else:
     where = (f"topology: {p.topology} ({accelerator_type(p.topology)}) x {p.num_slices} slice(s) = {p.devices} "
              f"devices ({p.device_kind}); per device ")
@@ -148,14 +151,15 @@ def collectives_line(p: Plan, seconds: float) -> str:
   notes = ["ring algorithms", "loop bodies × their trip counts"]
   if c.loops_of_unknown_length:
     notes.append(f"{c.loops_of_unknown_length} loop(s) of unrecognised trip count counted once, so at least this")
-  if p.num_slices > 1:
-    notes.append("collectives across slices go over DCN, slower than ICI, yet are timed at ICI bandwidth")
-  if p.chip.kind == "GPU" and p.devices > 8:
-    notes.append("collectives between machines go over their network, slower than NVLink, yet are timed at NVLink "
-                 "bandwidth")
+  speeds = f"{p.ici_bandwidth / 1e9:.0f} GB/s {p.chip.interconnect}"
+  if c.between_islands:
+    notes.append(f"{c.between_islands:.3e} of it in collectives between {p.chip.island}s")
+    if p.chip.network_bandwidth is None:
+      notes.append(f"those go over DCN, slower than {p.chip.interconnect}, yet are timed at its bandwidth")
+    else:
+      speeds += f", between {p.chip.island}s at {p.network_bandwidth / 1e9:.0f} GB/s (a network adapter per GPU)"
   return (f"collectives: bytes sent per device per step: {by_kind}; total {c.total:.3e} ({'; '.join(notes)}) "
-          f"-> {seconds:.3g} s at {p.ici_bandwidth / 1e9:.0f} GB/s {p.chip.interconnect} per device (all its links "
-          f"busy; latency ignored)")
+          f"-> {seconds:.3g} s at {speeds} per device (all its links busy; latency ignored)")
 
 
 def plan(arguments: dict, topology: str, num_slices: int, show=print, hbm_cap: Optional[float] = None) -> Plan:

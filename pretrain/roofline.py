@@ -40,10 +40,18 @@ class Chip:
   device_kinds: tuple  # jax Device.device_kind of the generation, as jax/_src/pallas/mosaic/tpu_info.py names them
   ici_bandwidth: float  # bytes/s one chip sends over all its ICI links together, one direction
   kind: str = "TPU"  # or "GPU" (pretrain.gpu_topology): its devices are joined by NVLink, not ICI
+  # bytes/s one device sends to other islands (GPU machines): None where not known (TPU slices' DCN), and such
+  # transfers are then timed at ici_bandwidth
+  network_bandwidth: Optional[float] = None
 
   @property
   def interconnect(self) -> str:
     return "ICI" if self.kind == "TPU" else "NVLink"
+
+  @property
+  def island(self) -> str:
+    """What the devices joined by the interconnect make up: a slice's chips, a machine's GPUs."""
+    return "slice" if self.kind == "TPU" else "machine"
 
 
 # Peak bf16 FLOP/s and HBM bandwidth per chip from the sources named; usable HBM measured by compiling
@@ -108,7 +116,7 @@ def parse_topology(name: str) -> tuple:
     gpu, machines, per_machine = gpu_topology.parse(name)
     usable = gpu_topology.usable_memory_fraction() * gpu.memory_bytes
     return Chip(name.split(":")[0], 1, gpu_peak_flops(gpu.device_kind), gpu.memory_bandwidth, usable,
-                (gpu.device_kind,), gpu.nvlink_bandwidth, "GPU"), machines * per_machine
+                (gpu.device_kind,), gpu.nvlink_bandwidth, "GPU", gpu.network_bandwidth), machines * per_machine
   match = _TOPOLOGY.fullmatch(name)
   if not match or match.group(1) not in CHIPS:
     raise ConfigError(f"--topology={name!r}: expected <generation>:<chips per axis>, e.g. v3:16x16 "
@@ -234,7 +242,8 @@ class StepFigures:
     sent, other_sent = self.collectives.bytes_by_kind, other.collectives.bytes_by_kind
     collectives = Collectives({kind: figure(sent.get(kind, 0.0), other_sent.get(kind, 0.0))
                                for kind in {**sent, **other_sent}},
-                              max(self.collectives.loops_of_unknown_length, other.collectives.loops_of_unknown_length))
+                              max(self.collectives.loops_of_unknown_length, other.collectives.loops_of_unknown_length),
+                              figure(self.collectives.between_islands, other.collectives.between_islands))
     return StepFigures({use: figure(size, other.memory[use]) for use, size in self.memory.items()},
                        figure(self.flops, other.flops), figure(self.bytes_accessed, other.bytes_accessed),
                        collectives, kernels, figure(self.kernel_seconds, other.kernel_seconds), self.kernel_report)
@@ -247,7 +256,7 @@ def step_figures(compiled, setup) -> StepFigures:
   memory = {"arguments": stats.argument_size_in_bytes, "outputs": stats.output_size_in_bytes,
             "aliased": stats.alias_size_in_bytes, "temporaries": stats.temp_size_in_bytes}
   program = compiled.as_text()
-  collectives = collective_traffic(program, setup.mesh.devices.size)
+  collectives = collective_traffic(program, setup.mesh.devices.size, islands(setup.mesh))
   if on_gpus(setup):
     costs = hlo_costs.program_costs(program)
     device = setup.mesh.devices.flat[0]
@@ -261,6 +270,13 @@ def step_figures(compiled, setup) -> StepFigures:
 
 
 KERNEL_REPORT_SOURCES = 12  # lines of a GPU plan's table of where its estimate goes
+
+
+def islands(mesh) -> list:
+  """The island of each of the mesh's devices, in the order of the program's device ids: a GPU's machine (its
+  process), a TPU's slice."""
+  gpus = mesh.devices.flat[0].platform in ("gpu", "cuda")
+  return [device.process_index if gpus else getattr(device, "slice_index", 0) for device in mesh.devices.flat]
 
 
 def on_gpus(setup) -> bool:
@@ -427,11 +443,19 @@ class Plan:
     """Leaves HEADROOM_WARNING of the chip's HBM free; a step compiled under a cap runs in what it took there."""
     return self.figures.hbm_total <= (1 - HEADROOM_WARNING) * self.chip_hbm
 
+  @property
+  def network_bandwidth(self) -> float:
+    """Per device, between islands: the chip's, or its interconnect's where that is not known."""
+    return self.ici_bandwidth if self.chip.network_bandwidth is None else self.chip.network_bandwidth
+
   def step_seconds(self) -> dict:
     """Roofline lower bounds per step: all FLOPs at peak, all HBM bytes at full bandwidth, all collective
-    bytes at full ICI bandwidth (every link busy; latency ignored)."""
+    bytes at full ICI (or NVLink) bandwidth, and those of collectives between machines at the network's (every
+    link busy; latency ignored)."""
+    c = self.figures.collectives
     return {"compute": self.figures.flops / self.peak_flops, "HBM": self.figures.bytes_accessed / self.hbm_bandwidth,
-            "communication": self.figures.collectives.total / self.ici_bandwidth}
+            "communication": (c.total - c.between_islands) / self.ici_bandwidth
+                             + c.between_islands / self.network_bandwidth}
 
   def bound(self) -> str:
     """What sets the overlapped estimate: 'compute', 'HBM' or 'communication'."""

@@ -116,3 +116,17 @@ def test_a_program_on_one_device_has_no_collectives():
   step = jax.jit(lambda x: jax.lax.scan(lambda c, _: (c * 2 + c.sum(), None), x, None, length=4)[0])
   traffic = collectives.collective_traffic(step.lower(jnp.ones(8)).compile().as_text(), devices=1)
   assert traffic.bytes_by_kind == {} and traffic.total == 0 and traffic.loops_of_unknown_length == 0
+
+
+def test_collectives_whose_groups_span_islands_are_counted_apart():
+  """Devices 0-3 on one machine (or slice) and 4-7 on another, then the two interleaved. Each group form is read
+  whole: the iota groups [2,4]<=[8] are {0..3} and {4..7}; the mesh groups over 'axis_1' of ids [4,2]T(1,0) are
+  {0,2,4,6} and {1,3,5,7}."""
+  halves = collectives.collective_traffic(TPU_HLO, devices=8, islands=[0, 0, 0, 0, 1, 1, 1, 1])
+  assert halves.between_islands == pytest.approx(3 * 8 * 2  # the reduce-scatter over {0,2,4,6} and {1,3,5,7}
+                                                 + 7 / 8 * 64 * 4  # the fused reduce-scatter over all 8
+                                                 + 2 * 7 / 8 * 4)  # the all-reduce over all 8
+  interleaved = collectives.collective_traffic(TPU_HLO, devices=8, islands=[0, 1] * 4)
+  assert interleaved.between_islands == pytest.approx(interleaved.total - 3 * 8 * 2)  # all but the reduce-scatter
+  assert halves.bytes_by_kind == interleaved.bytes_by_kind
+  assert collectives.collective_traffic(TPU_HLO, devices=8, islands=[0] * 8).between_islands == 0

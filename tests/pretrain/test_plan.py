@@ -181,7 +181,8 @@ def test_a_step_compiles_to_fit_the_hbm_limit_given_and_is_refused_below_what_it
 
 H100_MEMORY_GIB = 81559 / 1024  # nvidia-smi's 81559 MiB of an H100 SXM 80GB
 H100_NVLINK_ONE_WAY = 900e9 / 2  # bytes/s: NVLink 4's 900 GB/s per GPU is both directions together
-GPU_PLAN = ("--topology=h100:8", "--gin.MESH_SHAPE={'data': 4, 'model': 2}", "--gin.MICROBATCHES=2",
+H100_NETWORK_ONE_WAY = 400e9 / 8  # bytes/s: a DGX H100 has a 400 Gbit/s ConnectX-7 adapter per GPU
+GPU_PLAN = ("--topology=h100:2x4", "--gin.MESH_SHAPE={'data': 4, 'model': 2}", "--gin.MICROBATCHES=2",
             "--gin.bert.BertConfig.vocab_size=2048", "--gin.bert.BertConfig.dtype='bfloat16'", *NO_DROPOUT)
 
 
@@ -192,10 +193,11 @@ def gpu_plan():
   return result.stdout
 
 
-def test_a_plan_for_described_gpus_counts_every_microbatch_and_times_collectives_at_nvlink(gpu_plan):
-  """Compiled for 8 described H100s by jax's CUDA plugin, with no GPU here. XLA gives no cost analysis there:
-  the figures are the program's kernels' (pretrain.hlo_costs)."""
-  assert "= 8 GPUs (NVIDIA H100 80GB HBM3)" in gpu_plan and "microbatches 2" in gpu_plan, gpu_plan
+def test_a_plan_for_described_gpus_counts_every_microbatch_and_times_collectives_by_the_links_they_cross(gpu_plan):
+  """Compiled for two machines of 4 described H100s by jax's CUDA plugin, with no GPU here. XLA gives no cost
+  analysis there: the figures are the program's kernels' (pretrain.hlo_costs). The mesh's `model` pairs sit within
+  a machine, its `data` groups of 4 span both."""
+  assert "= 8 GPUs (NVIDIA H100 80GB HBM3) in 2 machines" in gpu_plan and "microbatches 2" in gpu_plan, gpu_plan
   total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", gpu_plan)
   assert limit == pytest.approx(0.75 * H100_MEMORY_GIB, abs=0.01)  # what jax takes of a GPU by default
   assert 0 < total < limit
@@ -205,8 +207,12 @@ def test_a_plan_for_described_gpus_counts_every_microbatch_and_times_collectives
   assert per_device <= compiled < 1.5 * per_device
   by_kind, total_sent, seconds = collective_figures(gpu_plan)
   parameters, = figure(r"([\d.]+)M parameters", gpu_plan)
-  assert by_kind.get("all-reduce", 0) + by_kind.get("reduce-scatter", 0) >= 3 / 4 * 4 * parameters * 1e6 / 2
-  assert seconds == pytest.approx(total_sent / H100_NVLINK_ONE_WAY, rel=1e-2)
+  gradients = 3 / 4 * 4 * parameters * 1e6 / 2  # at least half of each f32 gradient, reduced over 4 data peers
+  assert by_kind.get("all-reduce", 0) + by_kind.get("reduce-scatter", 0) >= gradients
+  between_machines, = figure(r"([\d.e+]+) of it in collectives between machines", gpu_plan)
+  assert gradients <= between_machines < total_sent  # `model`'s collectives stay within a machine
+  assert seconds == pytest.approx((total_sent - between_machines) / H100_NVLINK_ONE_WAY
+                                  + between_machines / H100_NETWORK_ONE_WAY, rel=1e-2)
   # Kernels one after another, each at its own roofline, take at least what all FLOPs or all bytes take.
   serial, = figure(r"collectives do not overlap .* step >= ([\d.e+-]+) s", gpu_plan)
   overlapped, kernels, mfu = figure(
@@ -253,6 +259,13 @@ def test_an_encoder_decoder_model_plans_on_two_slices_with_the_replica_axis_acro
   assert "x 2 slice(s) = 16 devices" in result.stdout and "'replica': 2" in result.stdout
   total, limit = figure(r"total ([\d.]+) GiB of ([\d.]+) GiB", result.stdout)
   assert 0 < total < limit
+  # The gradients are reduced over `replica` too, between the slices (libtpu's sends over DCN), each device's
+  # eighth of them after a reduce-scatter over `data`, whose collectives stay within each slice.
+  _, sent, _ = collective_figures(result.stdout)
+  between_slices, = figure(r"([\d.e+]+) of it in collectives between slices", result.stdout)
+  parameters, = figure(r"([\d.]+)M parameters", result.stdout)
+  gradient_eighth = 4 * parameters * 1e6 / 8 * 0.99  # f32; the parameter count has 2 digits
+  assert 2 * 1 / 2 * gradient_eighth <= between_slices < sent / 2
 
 
 @pytest.mark.parametrize("kernel, kernels, products", [

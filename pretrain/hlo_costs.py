@@ -5,7 +5,8 @@ compiles for described GPUs), so the plan counts a step's cost here, kernel by k
 instruction of the entry computation (or of a loop body, counted as often as the loop runs): a fusion, a library
 call (cuBLAS, cuDNN) or an unfused op. Each reads its operands from HBM and writes its result there once:
 - FLOPs are the matrix products' (2 × result elements × contracted size; cuDNN's flash attention, forward and
-  backward, from its shapes); element-wise arithmetic is left out, as it is bounded by its bytes;
+  backward, and models/flash_dropout.py's Triton kernels from their shapes); element-wise arithmetic is left out,
+  as it is bounded by its bytes;
 - bytes are the operands' and the result's, but for what a fusion only slices out of an operand (the slice) and
   an in-place update of a buffer (the update, read and written; not the whole buffer).
 Collectives are left out: `pretrain.collectives` counts what they send.
@@ -96,7 +97,27 @@ def _library_call_flops(instruction: HloInstruction, operand_types: List[str]) -
     # Forward: scores = q·kᵀ and out = p·v. Backward: the scores again, then dv, dp, dq and dk.
     products = 5 if "Backward" in target else 2
     return products * 2.0 * math.prod(scores) * head_dim
+  if target == "__gpu$xla.gpu.triton":
+    return _flash_dropout_flops(instruction, operand_types)
   return None
+
+
+# models/flash_dropout.py's Triton kernels, by the name of their kernel function (in the op_name), and the products
+# each does per query × key × head dim, 2 FLOPs each: forward S = QKᵀ and O = PV; dk/dv kernel S again, dV = PᵀdO,
+# dP = dO Vᵀ, dK = dSᵀQ; dq kernel S, dP, dQ = dS K. A causal kernel skips the key blocks past its queries; it is
+# counted whole (its program shows no mask), so a plan errs high on BART's decoder.
+_FLASH_DROPOUT_PRODUCTS = {"_forward_kernel": 2, "_dkv_kernel": 4, "_dq_kernel": 3}
+
+
+def _flash_dropout_flops(instruction: HloInstruction, operand_types: List[str]) -> Optional[float]:
+  """FLOPs of one of flash_dropout's kernels, from its query and key operands ([batch, length, heads, head dim],
+  its first two of 4 dimensions), None for another Triton kernel."""
+  kernel = re.search(r'op_name="[^"]*/(\w+)/pallas_call"', instruction.attributes)
+  blocks = [_shape(t) for t in operand_types if len(_shape(t)) == 4]
+  if not kernel or kernel.group(1) not in _FLASH_DROPOUT_PRODUCTS or len(blocks) < 2:
+    return None
+  (batch, queries, heads, head_dim), keys = blocks[0], blocks[1][1]
+  return _FLASH_DROPOUT_PRODUCTS[kernel.group(1)] * 2.0 * batch * heads * queries * keys * head_dim
 
 
 def _fusion_cost(instruction: HloInstruction, operand_types: List[str], fused) -> tuple:
@@ -157,8 +178,8 @@ class ProgramCosts:
     table = op_profile.report(times, {k.name: k.source for k in self.kernels if k.source}, steps=1, top=top,
                               what="kernel time at the rooflines")
     if self.uncounted:
-      table += (f"\nwarning: {self.uncounted} kernel(s) of unknown FLOPs (custom calls other than cuBLAS's and cuDNN's "
-                "attention) counted by their bytes only")
+      table += (f"\nwarning: {self.uncounted} kernel(s) of unknown FLOPs (custom calls other than cuBLAS's, cuDNN's "
+                "attention and our Triton attention) counted by their bytes only")
     if self.loops_of_unknown_length:
       table += f"\nwarning: {self.loops_of_unknown_length} loop(s) of unrecognised trip count counted once"
     return table

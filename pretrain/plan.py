@@ -245,12 +245,13 @@ def _print_whole_lines():
 def described_topology_environment(topology: str) -> dict:
   """The environment in which libtpu compiles for a described topology and opens no TPU: it may then run beside
   any other libtpu user (another plan, training on this host), which libtpu's lockfile would refuse. libtpu
-  wants to know its host at load time; these values silence its warnings and do not change the topology.
+  wants to know its host at load time; these values silence its warnings and do not change the topology, and it
+  asks no cloud metadata server (loaded after jax's CUDA plugin, it did: 30 tries a setting, 10 minutes).
   For GPUs, gpu_topology.environment()."""
   if gpu_topology.is_gpu_topology(topology):
     return gpu_topology.environment()
   return {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
-          "TPU_ACCELERATOR_TYPE": accelerator_type(topology)}
+          "TPU_ACCELERATOR_TYPE": accelerator_type(topology), "TPU_SKIP_MDS_QUERY": "1"}
 
 
 def main(argv) -> None:

@@ -230,15 +230,21 @@ def test_a_step_beyond_the_gpu_memory_jax_takes_does_not_fit():
   assert last.startswith("pretrain.plan: does not fit: the compiled step needs ") and "0.01 GiB usable" in last, last
 
 
-def test_the_triton_attention_kernels_are_planned_as_triton_kernels_not_in_pallas_interpreter():
+def test_the_triton_attention_kernels_are_planned_as_triton_kernels_with_their_products_counted():
   """models/flash_dropout.py's kernels are interpreted where the program is for a CPU. A plan traces on a CPU for
-  GPUs: it gets them as Triton kernels, the forward, dk/dv and dq kernels of the one layer (library calls to the
-  plan: their FLOPs unknown), not as the interpreter's loops."""
+  GPUs: it gets them as Triton kernels, not as the interpreter's loops, and counts their products: the forward
+  kernel's two, the dk/dv kernel's four and the dq kernel's three, where XLA's attention does two and four. So the
+  step computes the model's FLOPs plus three products of every head's scores (q·k·head_dim, 2 FLOPs each)."""
   result = run_plan("--topology=h100:1", "--gin.MESH_SHAPE={'data': 1}", "--gin.bert.BertConfig.vocab_size=2048",
                     "--gin.bert.BertConfig.dtype='bfloat16'", "--gin.bert.BertConfig.attention_implementation='triton'",
                     ONE_LAYER)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert "warning: 3 kernel(s) of unknown FLOPs" in result.stdout, result.stdout
+  assert "unknown FLOPs" not in result.stdout, result.stdout
+  batch, tokens = figure(r"global batch (\d+) \((\d+) tokens\)", result.stdout)
+  length, heads, head_dim = tokens / batch, 2, 64  # bert_tiny: hidden 128 in 2 heads
+  compiled, = figure(r"compiled FLOPs per device per step: ([\d.e+]+)", result.stdout)
+  model, = figure(r"model FLOPs per step: ([\d.e+]+)", result.stdout)
+  assert compiled == pytest.approx(model + 3 * 2 * batch * heads * length * length * head_dim, rel=2e-3)
 
 
 def test_an_unknown_topology_name_fails_with_one_line():

@@ -15,7 +15,7 @@ from pretrain.errors import ConfigError
 # jax preallocates this fraction of a GPU's memory for its programs unless XLA_PYTHON_CLIENT_MEM_FRACTION says
 # otherwise (jax's GPU memory allocation docs).
 DEFAULT_MEMORY_FRACTION = 0.75
-_TOPOLOGY = re.compile(r"([a-z]\d+):(?:(\d+)x)?(\d+)")
+_TOPOLOGY = re.compile(r"([a-z]\d+):(?:(\d+)x)?(\d+)(?:@(\d+(?:\.\d+)?))?")  # h100:4x8@200: 200 Gbit/s per GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,8 @@ device_description_str: "{self.device_kind}"
 # memory per SM, memory bandwidth; memory as the driver reports it (nvidia-smi's MiB); NVLink 600 GB/s (A100)
 # and 900 GB/s (H100, H200) in both directions together. Between machines, a network adapter per GPU as NVIDIA's
 # DGX systems have them (the DGX A100, H100 and H200 datasheets): 200 Gbit/s (ConnectX-6) for an A100, 400 Gbit/s
-# (ConnectX-7) for an H100 or H200. (Clouds' GPU machines may have fewer or slower adapters.)
+# (ConnectX-7) for an H100 or H200. Clouds' GPU machines may have fewer or slower adapters: a topology's @<Gbit/s>
+# gives theirs.
 GPUS = {
     "a100": Gpu("NVIDIA A100-SXM4-80GB", (8, 0), 108, 81920 * 2**20, 2039e9, 40 * 2**20, 1.41, 167936, 166912,
                 600e9 / 2, 200e9 / 8),
@@ -75,15 +76,21 @@ def is_gpu_topology(name: str) -> bool:
 
 
 def parse(name: str) -> tuple:
-  """'h100:8' -> (Gpu, machines 1, GPUs per machine 8); 'h200:4x8' -> (Gpu, 4, 8)."""
+  """'h100:8' -> (Gpu, machines 1, GPUs per machine 8); 'h200:4x8' -> (Gpu, 4, 8); 'h100:4x8@200' -> (an H100 that
+  sends 200 Gbit/s to other machines, 4, 8)."""
   match = _TOPOLOGY.fullmatch(name)
   if not match or match.group(1) not in GPUS:
-    raise ConfigError(f"--topology={name!r}: expected <gpu>:<GPUs> or <gpu>:<machines>x<GPUs per machine>, "
-                      f"e.g. h100:8 (GPUs {', '.join(GPUS)})")
+    raise ConfigError(f"--topology={name!r}: expected <gpu>:<GPUs> or <gpu>:<machines>x<GPUs per machine>[@<Gbit/s "
+                      f"per GPU between machines>], e.g. h100:8 or h100:4x8@200 (GPUs {', '.join(GPUS)})")
   machines, per_machine = int(match.group(2) or 1), int(match.group(3))
   if not 1 <= per_machine <= 8 or machines < 1:
     raise ConfigError(f"--topology={name!r}: 1 to 8 GPUs per machine, at least one machine")
-  return GPUS[match.group(1)], machines, per_machine
+  gpu = GPUS[match.group(1)]
+  if match.group(4) is not None:
+    if float(match.group(4)) <= 0:
+      raise ConfigError(f"--topology={name!r}: a network of 0 Gbit/s joins no machines")
+    gpu = dataclasses.replace(gpu, network_bandwidth=float(match.group(4)) * 1e9 / 8)
+  return gpu, machines, per_machine
 
 
 def usable_memory_fraction() -> float:

@@ -19,8 +19,10 @@ program's, and its FLOPs and bytes come from small unrolled compiles (XLA counts
 `--num_slices` defaults to the run's NUM_SLICES.
 
 GPUs: `--topology=<gpu>:<GPUs>` or `<gpu>:<machines>x<GPUs per machine>` (a100, h100, h200; `h100:8` is one
-machine of 8) compiles the step for described NVIDIA GPUs (pretrain.gpu_topology) with jax's CUDA plugin,
-`pip install -e ".[gpu-plan]"`, here or on a GPU machine; no GPU is needed or used. Memory is checked against
+machine of 8), with `@<Gbit/s>` for the network each GPU sends to other machines over where it is not the DGX
+machines' (400 for an H100 or H200, 200 for an A100; `h100:4x8@100`), compiles the step for described NVIDIA GPUs
+(pretrain.gpu_topology) with jax's CUDA plugin, `pip install -e ".[gpu-plan]"`, here or on a GPU machine; no GPU
+is needed or used. Memory is checked against
 the share of each GPU's memory that jax takes (XLA_PYTHON_CLIENT_MEM_FRACTION, default 0.75). XLA gives no cost
 analysis there: FLOPs and bytes are the program's kernels' (pretrain.hlo_costs), and a further estimate runs
 the kernels one after another, each at its own roofline, as a GPU does. Nothing is autotuned without a GPU, so
@@ -61,7 +63,8 @@ DEFAULT_TOPOLOGY = "v3:16x16"
 
 HELP = cli.gin_help(__doc__, flags=f"""\
   --topology=vN:AxB[xC]       libtpu's name of the slice, in chips (default {DEFAULT_TOPOLOGY}, a v3-512); or
-                              GPUs: h100:8 (one machine of 8 H100s), h200:4x8, a100:1
+                              GPUs: h100:8 (one machine of 8 H100s), h200:4x8, a100:1, h100:4x8@100 (100 Gbit/s
+                              per GPU between machines)
   --num_slices=N              slices joined over DCN (default: the run's NUM_SLICES)
   --search                    choose the layout: mesh, microbatches, remat, scan_layers
   --confirm=N                 with --search: layouts compiled at full size (default {plan_search.DEFAULT_CONFIRM}, \
@@ -77,7 +80,7 @@ def setup_lines(p: Plan) -> list:
   capped = "" if p.hbm_cap is None else f" (--hbm_limit_gib; the chip's {p.chip_hbm / GIB:.2f})"
   if p.chip.kind == "GPU":
     machines = gpu_topology.parse(p.topology)[1]
-    network = (f" in {machines} machines, {p.network_bandwidth / 1e9:.0f} GB/s between them (a network adapter per "
+    network = (f" in {machines} machines, {p.network_bandwidth / 1e9:.3g} GB/s between them (a network adapter per "
                "GPU)" if machines > 1 else "")
     where = (f"topology: {p.topology} = {p.devices} GPU{'s' if p.devices > 1 else ''} ({p.device_kind}){network}; "
              f"per GPU {gpu_topology.memory_note()}, ")
@@ -157,7 +160,7 @@ def collectives_line(p: Plan, seconds: float) -> str:
     if p.chip.network_bandwidth is None:
       notes.append(f"those go over DCN, slower than {p.chip.interconnect}, yet are timed at its bandwidth")
     else:
-      speeds += f", between {p.chip.island}s at {p.network_bandwidth / 1e9:.0f} GB/s (a network adapter per GPU)"
+      speeds += f", between {p.chip.island}s at {p.network_bandwidth / 1e9:.3g} GB/s (a network adapter per GPU)"
   return (f"collectives: bytes sent per device per step: {by_kind}; total {c.total:.3e} ({'; '.join(notes)}) "
           f"-> {seconds:.3g} s at {speeds} per device (all its links busy; latency ignored)")
 

@@ -247,8 +247,16 @@ def test_the_triton_attention_kernels_are_planned_as_triton_kernels_with_their_p
   assert compiled == pytest.approx(model + 3 * 2 * batch * heads * length * length * head_dim, rel=2e-3)
 
 
+def test_a_gpu_topology_may_give_its_machines_network():
+  from pretrain import roofline
+  dgx, _ = roofline.parse_topology("h100:2x4")
+  cloud, gpus = roofline.parse_topology("h100:2x4@100")
+  assert (dgx.network_bandwidth, cloud.network_bandwidth, gpus) == (H100_NETWORK_ONE_WAY, 100e9 / 8, 8)
+  assert cloud.ici_bandwidth == dgx.ici_bandwidth == H100_NVLINK_ONE_WAY  # NVLink, within a machine
+
+
 def test_an_unknown_topology_name_fails_with_one_line():
-  for name in ("v3-512", "h100:9", "x100:8"):
+  for name in ("v3-512", "h100:9", "x100:8", "h100:2x4@0", "h100:2x4@fast"):
     result = run_plan(f"--topology={name}")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith(f"pretrain.plan: error: --topology='{name}'"), name

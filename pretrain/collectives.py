@@ -51,9 +51,9 @@ _ARRAY_TYPE = re.compile(r"([a-z]\w*)\[([\d,]*)\]")  # f32[4,128] in `f32[4,128]
 _INSTRUCTION = re.compile(r"\s+(?:ROOT )?%(\S+) = ")
 _COMPUTATION = re.compile(r"(?:ENTRY )?%(\S+) .*\{$")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\})?")  # {{0,1},{2,3}}; {} is all devices
-_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]*\](?:T\([\d,]*\))?)")  # <=[8], <=[4,2]T(1,0)
-_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}")
 _IOTA = re.compile(r"\[([\d,]*)\](?:T\(([\d,]*)\))?")  # [4,2]T(1,0): iota over [4,2], transposed
+_IOTA_GROUPS = re.compile(rf"replica_groups=\[(\d+),(\d+)\]<=({_IOTA.pattern})")  # [groups,size]<=[8] or <=[4,2]T(1,0)
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -275,12 +275,16 @@ KERNEL_REPORT_SOURCES = 12  # lines of a GPU plan's table of where its estimate 
 def islands(mesh) -> list:
   """The island of each of the mesh's devices, in the order of the program's device ids: a GPU's machine (its
   process), a TPU's slice."""
-  gpus = mesh.devices.flat[0].platform in ("gpu", "cuda")
+  gpus = _is_gpu(mesh.devices.flat[0])
   return [device.process_index if gpus else getattr(device, "slice_index", 0) for device in mesh.devices.flat]
 
 
+def _is_gpu(device) -> bool:
+  return device.platform in ("gpu", "cuda")
+
+
 def on_gpus(setup) -> bool:
-  return setup.mesh.devices.flat[0].platform in ("gpu", "cuda")
+  return _is_gpu(setup.mesh.devices.flat[0])
 
 
 def measure(setup, hbm_cap: Optional[float] = None) -> tuple:

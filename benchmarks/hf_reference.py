@@ -21,7 +21,7 @@ backwards, HF the first half of the batch forwards and the second half backwards
 reordered (`hf_row_order`); its memory stays in that order, and every loss is a sum over rows.
 """
 import dataclasses
-from typing import Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import numpy as np
 
@@ -124,13 +124,16 @@ class OurTrainer:
     """The compiled train step's optimised HLO (after `compile`)."""
     return self._train_step.as_text()
 
-  def step(self, device_batch) -> Dict[str, float]:
-    """One training step (the state is donated and replaced); its metrics, once it has finished."""
-    import jax
+  def dispatch(self, device_batch) -> Dict[str, Any]:
+    """Starts one training step (the state is donated and replaced); its metrics, on the device, not waited for."""
     with self._context():
       self.state, metrics = self._train_step(self.state, device_batch)
-      metrics = jax.device_get(metrics)
-    return {k: float(v) for k, v in metrics.items()}
+    return metrics
+
+  def step(self, device_batch) -> Dict[str, float]:
+    """One training step; its metrics, once it has finished."""
+    import jax
+    return {k: float(v) for k, v in jax.device_get(self.dispatch(device_batch)).items()}
 
   def evaluate(self, numpy_batches: Iterable) -> Dict[str, float]:
     """Mean metrics over held-out batches read in order, XLNet's memory carried from one to the next
@@ -297,25 +300,33 @@ class HFTrainer:
     cfg = self.family.config
     return [torch.zeros(cfg.mem_len, self.batch_size, cfg.d_model, device=self.device) for _ in range(cfg.n_layer)]
 
-  def _forward(self, numpy_batch, mems):
+  def device_batch(self, numpy_batch):
+    """(the model's keyword arguments, our features) of one batch as tensors on the model's device."""
+    return tuple({k: v.to(self.device) for k, v in d.items()} for d in hf_inputs(self.family, numpy_batch))
+
+  def _forward(self, device_batch, mems):
     import torch
-    inputs, b = hf_inputs(self.family, numpy_batch)
-    inputs, b = ({k: v.to(self.device) for k, v in d.items()} for d in (inputs, b))
+    inputs, b = device_batch
     with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu):
       outputs = self.forward_model(**inputs, **({"mems": mems} if mems is not None else {}))
     loss, metrics = hf_loss_and_metrics(self.family, outputs, b)
     return loss, metrics, (list(outputs.mems) if mems is not None else None)
 
-  def step(self, numpy_batch) -> Dict[str, float]:
-    """One training step: forward, our loss, backward, clipping, AdamW, the schedule's next factor."""
+  def dispatch(self, device_batch) -> Dict[str, Any]:
+    """Starts one training step: forward, our loss, backward, clipping, AdamW, the schedule's next factor. Its
+    metrics, as tensors on the device: nothing here waits for the device."""
     import torch
     self.optimizer.zero_grad(set_to_none=True)
-    loss, metrics, self.mems = self._forward(numpy_batch, self.mems)  # new memory, detached by the model
+    loss, metrics, self.mems = self._forward(device_batch, self.mems)  # new memory, detached by the model
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.clip_norm)
     self.optimizer.step()
     self.scheduler.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(), **{k: v.item() for k, v in metrics.items()}}
+    return {"loss": loss.detach(), "grad_norm": grad_norm, **{k: v.detach() for k, v in metrics.items()}}
+
+  def step(self, numpy_batch) -> Dict[str, float]:
+    """One training step on a batch from the host; its metrics, once it has finished."""
+    return {k: v.item() for k, v in self.dispatch(self.device_batch(numpy_batch)).items()}
 
   def evaluate(self, numpy_batches: Iterable, mems: Optional[list] = None) -> Dict[str, float]:
     """Mean metrics over held-out batches in eval mode, XLNet's memory starting from zeros and carried."""
@@ -325,7 +336,7 @@ class HFTrainer:
     self.model.eval()
     with torch.no_grad():
       for batch in numpy_batches:
-        loss, metrics, mems = self._forward(batch, mems)
+        loss, metrics, mems = self._forward(self.device_batch(batch), mems)
         rows.append({"loss": loss.item(), **{k: v.item() for k, v in metrics.items()}})
     self.model.train()
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}

@@ -35,12 +35,15 @@ warm-up step compiles it; the ratios stay against the plain one, and a line give
 `python -m pretrain.op_profile` or TensorBoard.
 
 After `--warmup` steps of each (ours compiles ahead of its first), the steps are timed interleaved,
-ours then theirs, `--repeats` times; prints the median step time and tokens per second of each (input
-tokens of a batch: encoder plus decoder for BART), the ratio ours / HF, MFU (model FLOPs per step as
-`pretrain.plan` counts them, over the device's peak, for both sides), peak memory (ours: XLA's footprint
-of the compiled step; HF: torch's maximum allocated during its steps) and our initialisation and
-compile times. Torch uses as many threads as the machine has CPUs; XLA's CPU backend uses its own pool
-of the same size.
+ours then theirs, `--repeats` samples of `--steps_per_sample` steps each. Within a sample each side runs
+as a training loop does, pretrain.train's included: a step's loss is read once the next step is
+dispatched, so the device has the next step queued while the host reads (with `--steps_per_sample=1`
+each step is waited for before the next is dispatched, and the device idles meanwhile). Prints the
+median step time and tokens per second of each (input tokens of a batch: encoder plus decoder for BART),
+the ratio ours / HF, MFU (model FLOPs per step as `pretrain.plan` counts them, over the device's peak,
+for both sides), peak memory (ours: XLA's footprint of the compiled step; HF: torch's maximum allocated
+during its steps) and our initialisation and compile times. Torch uses as many threads as the machine has
+CPUs; XLA's CPU backend uses its own pool of the same size.
 
 Sizes: tiny = hidden 128, 2 layers (BART 2 + 2), 2 heads, sequence 128, batch 16; small = hidden 256,
 4 layers (BART 4 + 4), 4 heads, sequence 256, batch 8. Feed-forward 4 x hidden, ALBERT's embedding
@@ -130,7 +133,11 @@ def make_parser() -> argparse.ArgumentParser:
                       help="also time transformers' model under torch.compile, with torch's default backend "
                            "(inductor) or the one named, e.g. --hf_compile=aot_eager (it compiles in its first "
                            "warm-up step, whose time is its compile figure)")
-  parser.add_argument("--repeats", type=int, default=10, help="timed steps of each, interleaved; medians are printed")
+  parser.add_argument("--repeats", type=int, default=10,
+                      help="timed samples of each, interleaved; the medians of their mean step times are printed")
+  parser.add_argument("--steps_per_sample", type=int, default=4,
+                      help="steps in a timed sample, each step's loss read once the next is dispatched, as "
+                           "pretrain.train reads it (default 4; 1: each step waited for before the next)")
   parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first (ours compiles before them)")
   parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                       help="then trace this many steps of each of ours and print where their device time goes, by "
@@ -271,7 +278,8 @@ def attention_label(trainer, requested: str) -> str:
 class Side:
   """One trainer of the comparison and what was measured of it."""
   label: str
-  step: object  # () -> loss
+  dispatch: object  # () -> the step's loss on the device, not waited for
+  read: object  # that loss -> float, once its step has finished
   params: int = 0
   init_s: float = math.nan
   compile_s: float = math.nan
@@ -281,10 +289,22 @@ class Side:
   trainer: object = None
   compiles_on_first_step: bool = False  # its first call's time is its compile figure
 
-  def timed(self) -> None:
-    start = time.perf_counter()
-    self.losses.append(self.step())
-    self.times.append(time.perf_counter() - start)
+  def step(self) -> float:
+    """One step, waited for: its loss."""
+    return self.read(self.dispatch())
+
+  def timed(self, steps: int) -> None:
+    """Times `steps` steps as pretrain.train's loop runs them: each step's loss is read once the next step is
+    dispatched, so that the device has the next step queued while the host waits (with 1, each step is waited
+    for before the next starts). Keeps the mean time per step, and every loss."""
+    start, unread = time.perf_counter(), None
+    for _ in range(steps):
+      loss = self.dispatch()
+      if unread is not None:
+        self.losses.append(self.read(unread))
+      unread = loss
+    self.losses.append(self.read(unread))
+    self.times.append((time.perf_counter() - start) / steps)
 
 
 def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: str, prng_impl: str,
@@ -305,7 +325,7 @@ def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: s
   memory = trainer.compile(batch)
   label = (attention_label(trainer, requested) + ("" if prng_impl == PRNG_IMPLS[0] else f" {prng_impl}")
            + ("" if dropout_masks == "auto" else f" {dropout_masks}"))
-  return Side(f"ours {label}", lambda: trainer.step(batch)["loss"],
+  return Side(f"ours {label}", lambda: trainer.dispatch(batch)["loss"], lambda loss: float(jax.device_get(loss)),
               trainer.num_params, init_s, time.perf_counter() - start, memory, trainer=trainer)
 
 
@@ -318,18 +338,19 @@ def their_side(family, batch_size: int, numpy_batch, params, device: str, compil
   trainer = HFTrainer(family, batch_size, settings, params, device="cuda" if device == "gpu" else "cpu",
                       compile_backend=compile_backend)
   suffix = {None: "", "inductor": " compiled"}.get(compile_backend, f" compiled {compile_backend}")
-  side = Side(f"HF {trainer.attention}{suffix}", None, trainer.num_params, memory_bytes=0,
+  batch = trainer.device_batch(numpy_batch)  # placed once, as ours is
+  side = Side(f"HF {trainer.attention}{suffix}", None, lambda loss: loss.item(), trainer.num_params, memory_bytes=0,
               compiles_on_first_step=compile_backend is not None)
 
-  def step():
+  def dispatch():
     if trainer.on_gpu:
       torch.cuda.reset_peak_memory_stats()
-    loss = trainer.step(numpy_batch)["loss"]
-    if trainer.on_gpu:
+    loss = trainer.dispatch(batch)["loss"]
+    if trainer.on_gpu:  # torch allocates as it dispatches: the step's peak is known without waiting for it
       side.memory_bytes = max(side.memory_bytes, torch.cuda.max_memory_allocated())
     return loss
 
-  side.step = step
+  side.dispatch = dispatch
   if not trainer.on_gpu:
     side.memory_bytes = math.nan
   return side
@@ -402,7 +423,7 @@ def compare(name: str, size_name: str, args, device) -> list:
     side.losses.clear()
   for _ in range(args.repeats):
     for side in sides:
-      side.timed()
+      side.timed(args.steps_per_sample)
   losses = [loss for side in sides for loss in side.losses]
   if not all(math.isfinite(x) for x in losses):
     raise RuntimeError(f"{name} {size_name}: a loss is not finite: {[s.losses for s in sides]}")
@@ -455,7 +476,9 @@ def main(args):
     import transformers
     print(f"{device.device_kind} ({device.platform}); {versions}, transformers {transformers.__version__}; ours "
           f"bf16 compute with fp32 params, HF bf16 autocast and fused AdamW", flush=True)
-  print(f"{args.repeats} timed steps of each, interleaved, after {args.warmup} untimed", flush=True)
+  print(f"{args.repeats} timed samples of {args.steps_per_sample} steps of each, interleaved, after {args.warmup} "
+        "untimed steps; " + ("each step's loss read once the next is dispatched" if args.steps_per_sample > 1
+                             else "each step waited for before the next"), flush=True)
   rows = []
   for size_name in args.sizes:
     for name in args.families:
@@ -473,8 +496,8 @@ if __name__ == "__main__":
   # the project's packages come from the repository root.
   sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), REPO]
   arguments = make_parser().parse_args()
-  if arguments.repeats < 1 or arguments.warmup < 1:
-    make_parser().error("--repeats and --warmup must be >= 1")
+  if min(arguments.repeats, arguments.warmup, arguments.steps_per_sample) < 1:
+    make_parser().error("--repeats, --warmup and --steps_per_sample must be >= 1")
   if arguments.device == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"  # the comparison is on the CPU, whatever accelerator is attached
   else:  # JAX takes its memory as it needs it, leaving the rest of the device to torch

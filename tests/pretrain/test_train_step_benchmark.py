@@ -49,3 +49,23 @@ def test_an_unknown_torch_compile_backend_is_named_before_anything_runs(capsys):
   last = capsys.readouterr().err.strip().splitlines()[-1]
   assert last.startswith("python benchmarks/train_step.py: error: argument --hf_compile: 'inductr': not a "
                          "torch.compile backend here (torch has ") and "inductor" in last, last
+
+
+def test_a_timed_sample_reads_each_steps_loss_once_the_next_step_is_dispatched():
+  side_class = runpy.run_path("benchmarks/train_step.py")["Side"]
+  events, dispatched = [], iter(range(10))
+
+  def dispatch():
+    events.append(("dispatch", next(dispatched)))
+    return events[-1][1]
+
+  def read(step):
+    events.append(("read", step))
+    return float(step)
+
+  side = side_class("a side", dispatch, read)
+  side.timed(3)
+  assert events == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2), ("read", 1), ("read", 2)]
+  side.timed(1)  # one step a sample: waited for before the next sample's first
+  assert events[6:] == [("dispatch", 3), ("read", 3)]
+  assert side.losses == [0.0, 1.0, 2.0, 3.0] and len(side.times) == 2

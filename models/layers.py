@@ -42,9 +42,13 @@ def constrain(x: jax.Array, axes: Sequence[Optional[str]]) -> jax.Array:
 
 
 def gelu(x: jax.Array, approximate: bool = False) -> jax.Array:
+  """nn.gelu, whose backward pass keeps only its input and computes the rest again. Autodiff of nn.gelu keeps
+  two more arrays of the input's size (erfc's and exp's outputs; four with tanh), and the input is an FFN's
+  widest activation: for BERT-Large at batch 32 on one H200 that was 5.9 GiB of a 23.8 GiB step, and their
+  writes and reads 4% of its time (benchmarks/README.md, "Plans for GPUs")."""
   # Exact (erf) GELU: fairseq BART and HF's "gelu". The TF reference code of BERT, ALBERT and XLNet
   # uses the tanh approximation (HF "gelu_new"): approximate=True.
-  return nn.gelu(x, approximate=approximate)
+  return jax.checkpoint(functools.partial(nn.gelu, approximate=approximate))(x)
 
 
 class Dense(nn.Module):

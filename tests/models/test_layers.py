@@ -149,3 +149,20 @@ def layer_index(path: str) -> int:
 def test_albert_scans_only_whole_layer_sharing():
   with pytest.raises(ValueError, match="scan_layers=True needs share in"):
     AlbertConfig(share="attention", scan_layers=True)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_keeps_only_its_input_for_the_backward_pass_and_gives_flaxs_gradient(approximate, capsys):
+  from jax import ad_checkpoint
+  x = jnp.linspace(-6.0, 6.0, 64 * 64).reshape(64, 64)
+
+  def kept_of_x_size(function) -> list:
+    ad_checkpoint.print_saved_residuals(lambda x: function(x).sum(), x)
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("f32[64,64]")]
+
+  ours, flaxs = functools.partial(layers.gelu, approximate=approximate), functools.partial(nn.gelu,
+                                                                                            approximate=approximate)
+  assert kept_of_x_size(ours) == ["f32[64,64] from the argument x"]
+  assert len(kept_of_x_size(flaxs)) >= 3  # erfc's and exp's outputs and a product (tanh: more)
+  np.testing.assert_allclose(jax.grad(lambda x: ours(x).sum())(x), jax.grad(lambda x: flaxs(x).sum())(x),
+                             rtol=1e-6, atol=1e-7)

@@ -43,9 +43,9 @@ def constrain(x: jax.Array, axes: Sequence[Optional[str]]) -> jax.Array:
 
 def gelu(x: jax.Array, approximate: bool = False) -> jax.Array:
   """nn.gelu, whose backward pass keeps only its input and computes the rest again. Autodiff of nn.gelu keeps
-  two more arrays of the input's size (erfc's and exp's outputs; four with tanh), and the input is an FFN's
-  widest activation: for BERT-Large at batch 32 on one H200 that was 5.9 GiB of a 23.8 GiB step, and their
-  writes and reads 4% of its time (benchmarks/README.md, "Plans for GPUs")."""
+  three arrays of the input's size in its place (five with tanh), and the input is an FFN's widest activation:
+  BERT-Large at batch 32, planned for one H200, kept 5.9 GiB more of them in a 23.7 GiB step, and writing and
+  reading them took 4% of its estimated time (benchmarks/README.md, "Plans for GPUs")."""
   # Exact (erf) GELU: fairseq BART and HF's "gelu". The TF reference code of BERT, ALBERT and XLNet
   # uses the tanh approximation (HF "gelu_new"): approximate=True.
   return jax.checkpoint(functools.partial(nn.gelu, approximate=approximate))(x)

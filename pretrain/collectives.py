@@ -50,7 +50,7 @@ _ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf
 _ARRAY_TYPE = re.compile(r"([a-z]\w*)\[([\d,]*)\]")  # f32[4,128] in `f32[4,128]{1,0:T(8,128)}`
 _INSTRUCTION = re.compile(r"\s+(?:ROOT )?%(\S+) = ")
 _COMPUTATION = re.compile(r"(?:ENTRY )?%(\S+) .*\{$")
-_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\})?")  # {{0,1},{2,3}}; {} is all devices
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")  # {{0,1},{2,3}}; {} is all devices
 _IOTA = re.compile(r"\[([\d,]*)\](?:T\(([\d,]*)\))?")  # [4,2]T(1,0): iota over [4,2], transposed
 _IOTA_GROUPS = re.compile(rf"replica_groups=\[(\d+),(\d+)\]<=({_IOTA.pattern})")  # [groups,size]<=[8] or <=[4,2]T(1,0)
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}")
@@ -178,7 +178,8 @@ def tuple_elements(hlo_type: str) -> list:
 def _iota(text: str) -> np.ndarray:
   """'[4,2]T(1,0)' -> arange(8) laid out as [4,2], then transposed."""
   dims, permutation = _IOTA.fullmatch(text).groups()
-  ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+  shape = [int(d) for d in dims.split(",")]
+  ids = np.arange(math.prod(shape)).reshape(shape)
   return ids.transpose([int(p) for p in permutation.split(",")]) if permutation else ids
 
 
@@ -200,8 +201,7 @@ def replica_groups(attributes: str, devices: int) -> np.ndarray:
   if explicit:
     if not explicit.group(1):
       return np.arange(devices)[None]
-    listed = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", attributes).group(1)
-    return np.array([[int(d) for d in group.split(",")] for group in re.findall(r"\{([\d,]+)\}", listed)])
+    return np.array([[int(d) for d in group.split(",")] for group in re.findall(r"\{([\d,]+)\}", explicit.group(1))])
   raise ValueError(f"unrecognised replica groups in HLO: {attributes[:300]}")
 
 
@@ -225,8 +225,10 @@ def spans_islands(instruction: HloInstruction, devices: int, islands: Sequence[i
 
 
 def is_collective(opcode: str) -> bool:
-  """A collective's opcode, or an async collective's -start or -done."""
-  return opcode.removesuffix("-done") in _COLLECTIVE_OPCODES
+  """Communication, not a kernel: a collective's opcode (collective-broadcast's too), a point-to-point send or
+  recv, or an async one's -start or -done."""
+  return opcode.removesuffix("-done").removesuffix("-start") in (*COLLECTIVE_KINDS, "collective-broadcast", "send",
+                                                                  "recv")
 
 
 def _megascale_bytes_sent(instruction: HloInstruction) -> tuple:

@@ -69,3 +69,23 @@ def test_cudnn_flash_attention_counts_its_products_and_the_scores_recomputed_in_
   assert fused.flops == pytest.approx(plain.flops * 7 / 6, rel=0.01)
   # Its whole point: no [batch, heads, 256, 256] scores written to memory and read back.
   assert fused.bytes_accessed < plain.bytes_accessed / 2
+
+
+def test_point_to_point_transfers_are_communication_not_kernels():
+  program = """\
+HloModule transfers, entry_computation_layout={(f32[256]{0})->f32[256]{0}}
+
+ENTRY %main (p: f32[256]) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  %token = token[] after-all()
+  %send = (f32[256]{0}, u32[], token[]) send(%p, %token), channel_id=1
+  %send-done = token[] send-done(%send), channel_id=1
+  %recv = (f32[256]{0}, u32[], token[]) recv(%token), channel_id=2
+  %recv-done = (f32[256]{0}, token[]) recv-done(%recv), channel_id=2
+  %received = f32[256]{0} get-tuple-element(%recv-done), index=0
+  ROOT %sum = f32[256]{0} add(%p, %received)
+}
+"""
+  costs = hlo_costs.program_costs(program)
+  assert [k.name for k in costs.kernels] == ["sum"]
+  assert costs.bytes_accessed == 3 * 256 * F32

@@ -144,19 +144,15 @@ def token_cross_entropy(logits, targets):
 def _cross_entropy_forward(logits, targets):
   upcast = logits.astype(jnp.float32)
   normalisers = jax.nn.logsumexp(upcast, axis=-1)
-  label_logits = jnp.where(_one_hot(targets, logits.shape[-1]), upcast, 0.0).sum(-1)
+  label_logits = jnp.where(jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.bool_), upcast, 0.0).sum(-1)
   return normalisers - label_logits, (logits, targets, normalisers)
 
 
 def _cross_entropy_backward(residuals, upstream):
   logits, targets, normalisers = residuals
   probabilities = jnp.exp(logits.astype(jnp.float32) - normalisers[..., None])
-  gradient = (probabilities - _one_hot(targets, logits.shape[-1])) * upstream[..., None]
+  gradient = (probabilities - jax.nn.one_hot(targets, logits.shape[-1])) * upstream[..., None]
   return gradient.astype(logits.dtype), None
-
-
-def _one_hot(targets, vocab_size: int):
-  return jnp.arange(vocab_size) == targets[..., None]
 
 
 token_cross_entropy.defvjp(_cross_entropy_forward, _cross_entropy_backward)

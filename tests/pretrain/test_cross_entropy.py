@@ -17,16 +17,18 @@ def _problem(dtype, vocab=1000):
   return logits, targets, weights
 
 
-def _optax_loss(logits, targets, weights):
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-  return (losses * weights).sum() / weights.sum()
+def _losses(targets, weights):
+  """(ours, optax's) weighted mean cross-entropy as functions of the logits."""
+  def optaxs(logits):
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+    return (losses * weights).sum() / weights.sum()
+  return lambda logits: base.weighted_cross_entropy(logits, targets, weights)[0], optaxs
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_loss_and_its_gradient_are_optaxs(dtype):
   logits, targets, weights = _problem(dtype)
-  ours = lambda x: base.weighted_cross_entropy(x, targets, weights)[0]
-  reference = lambda x: _optax_loss(x, targets, weights)
+  ours, reference = _losses(targets, weights)
   np.testing.assert_allclose(ours(logits), reference(logits), rtol=1e-6)
   ours_grad, reference_grad = jax.grad(ours)(logits), jax.grad(reference)(logits)
   assert ours_grad.dtype == dtype
@@ -45,8 +47,7 @@ def test_the_backward_pass_keeps_the_logits_as_they_are_and_scatters_nothing(cap
   def scatters(loss) -> bool:
     return "stablehlo.scatter" in jax.jit(jax.grad(loss)).lower(logits).as_text()
 
-  ours = lambda x: base.weighted_cross_entropy(x, targets, weights)[0]
-  reference = lambda x: _optax_loss(x, targets, weights)
+  ours, reference = _losses(targets, weights)
   assert kept_of_logits_size(ours) == ["bf16[4,16,1000]"]  # the argument, nothing computed from it
   assert kept_of_logits_size(reference) == ["f32[4,16,1000]"]  # the softmax's exp, in fp32
   assert not scatters(ours)

@@ -164,5 +164,19 @@ def test_gelu_keeps_only_its_input_for_the_backward_pass_and_gives_flaxs_gradien
                                                                                             approximate=approximate)
   assert kept_of_x_size(ours) == ["f32[64,64] from the argument x"]
   assert len(kept_of_x_size(flaxs)) >= 3  # erfc's and exp's outputs and a product (tanh: more)
+  np.testing.assert_array_equal(ours(x), flaxs(x))
+  # Differentiated by formula, not by autodiff: fp32's rounding differs where 1 + tanh cancels (x near -6).
   np.testing.assert_allclose(jax.grad(lambda x: ours(x).sum())(x), jax.grad(lambda x: flaxs(x).sum())(x),
-                             rtol=1e-6, atol=1e-7)
+                             rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu_in_bf16_is_the_fp32_gelu_and_gradient_rounded_once(approximate):
+  x = jnp.linspace(-6.0, 6.0, 64 * 64).reshape(64, 64).astype(jnp.bfloat16)
+  exact = functools.partial(nn.gelu, approximate=approximate)
+  grad_of = lambda f, x: jax.grad(lambda x: f(x).astype(jnp.float32).sum())(x)
+  ours = functools.partial(layers.gelu, approximate=approximate)
+  np.testing.assert_array_equal(ours(x), exact(x.astype(jnp.float32)).astype(jnp.bfloat16))
+  # Within one rounding of fp32's gradient, which the formula gives (test above) to about 1e-6.
+  np.testing.assert_allclose(np.asarray(grad_of(ours, x), np.float32), grad_of(exact, x.astype(jnp.float32)),
+                             rtol=2 ** -8, atol=1e-6)

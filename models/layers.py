@@ -157,22 +157,30 @@ def check_sequence_length(length: int, max_position_embeddings: int) -> None:
     raise ValueError(f"sequence length {length} exceeds max_position_embeddings={max_position_embeddings}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def softmax(scores: jax.Array, dtype: Dtype) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def softmax(scores: jax.Array, dtype: Dtype, keep_output_as_written: bool = False) -> jax.Array:
   """Softmax over the last axis of fp32 scores, returned in `dtype`, which is also all the backward pass keeps.
 
   jax.nn.softmax would keep its fp32 output for the gradient: with bf16 compute that is twice the bytes
   of the largest activation of attention, written and read once per layer.
+
+  XLA may still keep what the output was computed from instead, and compute it again where the backward pass
+  reads it. `keep_output_as_written` puts an optimization barrier between them. XLNet's scores sum three
+  products: on an H200 XLA kept exp(scores - max) in fp32, and with the barrier XLNet-Large's 2-layer plan takes
+  5.21 ms and 2.56 GiB, against 5.31 ms and 2.83 GiB. BERT's XLA attention, whose scores are one product,
+  plans 8% slower with it (benchmarks/README.md, "Plans for GPUs"); TPU plans were the same.
   """
   return jax.nn.softmax(scores, axis=-1).astype(dtype)
 
 
-def _softmax_forward(scores, dtype):
-  probs = softmax(scores, dtype)
+def _softmax_forward(scores, dtype, keep_output_as_written):
+  probs = softmax(scores, dtype, keep_output_as_written)
   return probs, probs
 
 
-def _softmax_backward(dtype, probs, grad):
+def _softmax_backward(dtype, keep_output_as_written, probs, grad):
+  if keep_output_as_written:
+    probs = jax.lax.optimization_barrier(probs)
   probs, grad = probs.astype(jnp.float32), grad.astype(jnp.float32)
   return (probs * (grad - jnp.sum(grad * probs, axis=-1, keepdims=True)),)
 

@@ -259,7 +259,7 @@ class RelativeAttention(nn.Module):
       position, segment = position_and_segment(query, seg_diff, shift, key_r)
       scores = (content + position + segment).astype(jnp.float32) / jnp.sqrt(jnp.float32(cfg.d_head))
       # Softmax in fp32: bf16 loses too much in the normaliser.
-      probs = layers.softmax(scores - MASKED_SCORE * mask[:, None], cfg.dtype)
+      probs = layers.softmax(scores - MASKED_SCORE * mask[:, None], cfg.dtype, keep_output_as_written=True)
       probs = drop(probs, deterministic=deterministic)
       return layers.constrain(jnp.einsum("bnij,bjnd->bind", probs, value), layers.BATCH_LENGTH_HEADS_KV)
 

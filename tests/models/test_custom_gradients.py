@@ -26,10 +26,11 @@ def reference(scores, upstream, dtype):
   return probs.astype(dtype), vjp(upstream.astype(dtype).astype(jnp.float32))[0]
 
 
+@pytest.mark.parametrize("keep_output_as_written", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_softmax_value_and_gradient_are_jax_softmaxs(dtype):
+def test_softmax_value_and_gradient_are_jax_softmaxs(dtype, keep_output_as_written):
   scores, upstream = scores_and_upstream()
-  probs, vjp = jax.vjp(lambda s: layers.softmax(s, dtype), scores)
+  probs, vjp = jax.jit(lambda s: jax.vjp(lambda s: layers.softmax(s, dtype, keep_output_as_written), s))(scores)
   gradient, = vjp(upstream.astype(dtype))
   expected_probs, expected_gradient = reference(scores, upstream, dtype)
   assert probs.dtype == dtype and gradient.dtype == jnp.float32

@@ -31,6 +31,7 @@ checks=(
   "xlnet_triton|360|$train_step --families=xlnet --attention=auto,triton"
   "xlnet_masks|300|$train_step --families=xlnet --dropout_masks=bernoulli,hashed"
   "bert_masks|360|$train_step --families=bert --dropout_masks=bernoulli,packed,hashed"
+  "gelu|300|$train_step --families=bert,bart --gelu_gradient=formula,autodiff"
 )
 if [[ $1 == --list ]]; then
   printf '%s\n' "${checks[@]}"

@@ -27,7 +27,8 @@ model drops them out in training (BERT: 0.1) our step runs XLA's attention for t
 
 `--prng_impl` lists the random-key implementations of our dropout to time side by side (JAX's default
 threefry2x32; rbg draws its bits with XLA's RngBitGenerator), and `--dropout_masks` the ways of drawing its
-masks (models/dropout.py: bernoulli, packed, hashed; auto is the chip's). `--hf_compile` adds transformers' model
+masks (models/dropout.py: bernoulli, packed, hashed; auto is the chip's), and `--gelu_gradient` what the GELU
+keeps for the backward pass (models/layers.py: formula, autodiff). `--hf_compile` adds transformers' model
 under torch.compile (inductor, or the backend that `--hf_compile=BACKEND` names) as another peer (its first
 warm-up step compiles it; the ratios stay against the plain one, and a line gives ours against it).
 `--profile=N` then traces N steps of each of ours and prints their device time by model source, layers folded
@@ -111,7 +112,7 @@ def torch_compile_backend(name: str) -> str:
 
 def make_parser() -> argparse.ArgumentParser:
   from models.dropout import DROPOUT_MASKS
-  from models.layers import ATTENTION_IMPLEMENTATIONS
+  from models.layers import ATTENTION_IMPLEMENTATIONS, GELU_GRADIENTS
   parser = argparse.ArgumentParser(prog="python benchmarks/train_step.py", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--families", type=lambda s: names(s, FAMILY_NAMES), default=list(FAMILY_NAMES),
@@ -129,6 +130,8 @@ def make_parser() -> argparse.ArgumentParser:
                            f"{PRNG_IMPLS[0]})")
   parser.add_argument("--dropout_masks", type=lambda s: names(s, DROPOUT_MASKS), default=["auto"],
                       help="how our dropout draws its masks (models/dropout.py), side by side (default: auto)")
+  parser.add_argument("--gelu_gradient", type=lambda s: names(s, GELU_GRADIENTS), default=["formula"],
+                      help="how our GELU is differentiated (models/layers.py), side by side (default: formula)")
   parser.add_argument("--hf_compile", nargs="?", const="inductor", type=torch_compile_backend, metavar="BACKEND",
                       help="also time transformers' model under torch.compile, with torch's default backend "
                            "(inductor) or the one named, e.g. --hf_compile=aot_eager (it compiles in its first "
@@ -249,11 +252,12 @@ def random_batch(family, batch_size: int, lengths, rng):
   return {name: batch[name].astype(spec.dtype) for name, spec in shapes.items()}
 
 
-def with_choices(family, attention: str, dropout_masks: str):
-  """The family with our model's attention and dropout masks set (XLNet's relative attention takes auto, xla and
-  triton)."""
+def with_choices(family, attention: str, dropout_masks: str, gelu_gradient: str):
+  """The family with our model's attention, dropout masks and GELU gradient set (XLNet's relative attention takes
+  auto, xla and triton)."""
   return dataclasses.replace(family, config=dataclasses.replace(family.config, dropout_masks=dropout_masks,
-                                                                attention_implementation=attention))
+                                                                attention_implementation=attention,
+                                                                gelu_gradient=gelu_gradient))
 
 
 def attention_label(trainer, requested: str) -> str:
@@ -308,23 +312,25 @@ class Side:
 
 
 def our_side(family, lengths, batch_size: int, numpy_batch, device, requested: str, prng_impl: str,
-             dropout_masks: str) -> Side:
+             dropout_masks: str, gelu_gradient: str) -> Side:
   """Our step as pretrain.train builds it, compiled ahead of its first call, its random keys (dropout's) of
-  `prng_impl`, its dropout masks drawn as `dropout_masks` says."""
+  `prng_impl`, its dropout masks drawn as `dropout_masks` says, its GELU differentiated by `gelu_gradient`."""
   import jax
   from hf_reference import AdamWSettings, OurTrainer
   jax.config.update("jax_default_prng_impl", prng_impl)
   settings = AdamWSettings(LEARNING_RATE, WARMUP_STEPS, TOTAL_STEPS)  # the defaults of gin_configs/runs/pretrain.gin
   start = time.perf_counter()
-  trainer = OurTrainer(with_choices(family, requested, dropout_masks), lengths, batch_size, settings, device)
+  trainer = OurTrainer(with_choices(family, requested, dropout_masks, gelu_gradient), lengths, batch_size, settings,
+                       device)
   init_s = time.perf_counter() - start
-  print(f"  ours {requested} ({prng_impl}, {dropout_masks} dropout masks): initialised in {init_s:.1f} s; compiling "
-        "the step", flush=True)
+  print(f"  ours {requested} ({prng_impl}, {dropout_masks} dropout masks, GELU by {gelu_gradient}): initialised in "
+        f"{init_s:.1f} s; compiling the step", flush=True)
   batch = trainer.device_batch(numpy_batch)
   start = time.perf_counter()
   memory = trainer.compile(batch)
   label = (attention_label(trainer, requested) + ("" if prng_impl == PRNG_IMPLS[0] else f" {prng_impl}")
-           + ("" if dropout_masks == "auto" else f" {dropout_masks}"))
+           + ("" if dropout_masks == "auto" else f" {dropout_masks}")
+           + ("" if gelu_gradient == "formula" else f" gelu={gelu_gradient}"))
   return Side(f"ours {label}", lambda: trainer.dispatch(batch)["loss"], lambda loss: float(jax.device_get(loss)),
               trainer.num_params, init_s, time.perf_counter() - start, memory, trainer=trainer)
 
@@ -392,19 +398,20 @@ def compare(name: str, size_name: str, args, device) -> list:
   numpy_batch = random_batch(family, batch_size, lengths, np.random.default_rng(0))
   known = family.device_choices["attention_implementation"][0]  # XLNet's model takes auto, xla and triton
   requested = [attention for attention in args.attention if attention in known] or ["auto"]
-  variants = [(attention, prng, masks) for masks in args.dropout_masks for prng in args.prng_impl
-              for attention in requested]
+  variants = [(attention, prng, masks, gelu) for gelu in args.gelu_gradient for masks in args.dropout_masks
+              for prng in args.prng_impl for attention in requested]
   ours = []
-  for attention, prng, masks in variants:
+  for variant in variants:
     try:
-      ours.append(our_side(family, lengths, batch_size, numpy_batch, device, attention, prng, masks))
+      ours.append(our_side(family, lengths, batch_size, numpy_batch, device, *variant))
       print(f"  {name} {size_name}: {ours[-1].label}: init {ours[-1].init_s:.1f} s, compile {ours[-1].compile_s:.1f} s",
             flush=True)  # progress: a large model's compile takes minutes
     except Exception as e:  # an implementation the chip or library refuses: the others still run
-      if (attention, prng, masks) == variants[-1] and not ours:
+      if variant == variants[-1] and not ours:
         raise
-      print(f"  {name} {size_name}: our attention {attention!r} ({prng}, {masks} dropout masks) failed: "
-            f"{str(e).splitlines()[0][:300]}", flush=True)
+      attention, prng, masks, gelu = variant
+      print(f"  {name} {size_name}: our attention {attention!r} ({prng}, {masks} dropout masks, GELU by {gelu}) "
+            f"failed: {str(e).splitlines()[0][:300]}", flush=True)
   hf_sides = []
   for backend in [None, args.hf_compile] if args.hf_compile else [None]:
     start = time.perf_counter()

@@ -38,6 +38,7 @@ class AlbertConfig:
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
   attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
   dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
+  gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
 
   def __post_init__(self):
     if self.share not in SHARE_MODES:
@@ -64,7 +65,7 @@ def attention_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNAttenti
 
 def ffn_block(cfg: AlbertConfig, name: str, block_cls=layers.PostLNFeedForwardBlock) -> nn.Module:
   return block_cls(cfg.mlp_dim, cfg.dropout_rate, 0.0, cfg.layer_norm_eps, cfg.dtype, cfg.approximate_gelu,
-                   cfg.dropout_masks, name=name)
+                   cfg.dropout_masks, cfg.gelu_gradient, name=name)
 
 
 class AlbertEncoder(nn.Module):
@@ -92,7 +93,8 @@ class AlbertEncoder(nn.Module):
           remat_policy=cfg.remat_policy, shared=cfg.share == "all", num_heads=cfg.num_heads, head_dim=cfg.head_dim,
           mlp_dim=cfg.mlp_dim, dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
           layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, approximate_gelu=cfg.approximate_gelu,
-          attention_implementation=cfg.attention_implementation, dropout_masks=cfg.dropout_masks)
+          attention_implementation=cfg.attention_implementation, dropout_masks=cfg.dropout_masks,
+          gelu_gradient=cfg.gelu_gradient)
       return x, word
 
     def sublayers(make, block_cls, name: str, shared: bool) -> list:

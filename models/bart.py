@@ -39,6 +39,7 @@ class BartConfig:
   scan_layers: bool = False  # one nn.scan per stack (see layers.layer_stack)
   attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
   dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
+  gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
 
   def __post_init__(self):
     if self.d_model % self.num_heads:
@@ -75,7 +76,8 @@ def attention_block(cfg: BartConfig, name: str) -> layers.PostLNAttentionBlock:
 
 def ffn_block(cfg: BartConfig) -> layers.PostLNFeedForwardBlock:
   return layers.PostLNFeedForwardBlock(cfg.ffn_dim, cfg.dropout_rate, cfg.activation_dropout, cfg.layer_norm_eps,
-                                       cfg.dtype, dropout_masks=cfg.dropout_masks, name="ffn")
+                                       cfg.dtype, dropout_masks=cfg.dropout_masks, gelu_gradient=cfg.gelu_gradient,
+                                       name="ffn")
 
 
 class BartDecoderLayer(nn.Module):
@@ -101,7 +103,8 @@ class BartEncoder(nn.Module):
         remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.ffn_dim,
         dropout_rate=cfg.dropout_rate, layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype,
         attention_dropout_rate=cfg.attention_dropout, activation_dropout_rate=cfg.activation_dropout,
-        attention_implementation=cfg.attention_implementation, dropout_masks=cfg.dropout_masks)
+        attention_implementation=cfg.attention_implementation, dropout_masks=cfg.dropout_masks,
+        gelu_gradient=cfg.gelu_gradient)
     return x
 
 

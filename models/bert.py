@@ -26,6 +26,7 @@ class BertConfig:
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
   attention_implementation: str = "auto"  # layers.ATTENTION_IMPLEMENTATIONS; 'auto': the chip's fastest exact one
   dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
+  gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
 
   @property
   def head_dim(self) -> int:
@@ -97,7 +98,7 @@ class BertEncoder(nn.Module):
         remat_policy=cfg.remat_policy, num_heads=cfg.num_heads, head_dim=cfg.head_dim, mlp_dim=cfg.mlp_dim,
         dropout_rate=cfg.dropout_rate, attention_dropout_rate=cfg.attention_dropout_rate,
         layer_norm_eps=cfg.layer_norm_eps, dtype=cfg.dtype, attention_implementation=cfg.attention_implementation,
-        dropout_masks=cfg.dropout_masks)
+        dropout_masks=cfg.dropout_masks, gelu_gradient=cfg.gelu_gradient)
     return x, word
 
 
@@ -120,7 +121,8 @@ class EncoderForPreTraining(nn.Module):
   def __call__(self, features, deterministic: bool = True):
     cfg = self.config
     hidden, word = self.encoder_cls(cfg, name="encoder")(features["input_ids"], features["segment_ids"], deterministic)
-    mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, name="mlm", **self.mlm_head_options())
+    mlm_head = layers.MaskedLMHead(cfg.vocab_size, cfg.layer_norm_eps, cfg.dtype, gelu_gradient=cfg.gelu_gradient,
+                                   name="mlm", **self.mlm_head_options())
     return pretraining_heads(hidden, word, features, mlm_head, pair_task=self.pair_task, dtype=cfg.dtype)
 
 

@@ -41,19 +41,37 @@ def constrain(x: jax.Array, axes: Sequence[Optional[str]]) -> jax.Array:
   return nn.with_logical_constraint(x, tuple(axes))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def gelu(x: jax.Array, approximate: bool = False) -> jax.Array:
-  """nn.gelu computed in fp32 and rounded once, whose backward pass keeps only its input and differentiates by
-  formula. Autodiff of nn.gelu keeps three arrays of the input's size (five with tanh), and the input is an FFN's
-  widest activation: BERT-Large at batch 32, planned for one H200, kept 5.9 GiB more of them in a 23.7 GiB step
-  (benchmarks/README.md, "Plans for GPUs", for this and the figures below)."""
+GELU_GRADIENTS = ("formula", "autodiff")
+
+
+def gelu(x: jax.Array, approximate: bool = False, gradient: str = "formula") -> jax.Array:
+  """The GELU of x, in x's dtype; `gradient` chooses how, and what the backward pass keeps.
+
+  'formula': nn.gelu computed in fp32 and rounded once, whose backward pass keeps only the input and writes the
+  slope out (`_gelu_by_formula`). 'autodiff': flax's nn.gelu in x's dtype, differentiated by JAX, which keeps
+  three arrays of the input's size (five with tanh) unless XLA fuses them away. The input is an FFN's widest
+  activation: BERT-Large at batch 32, planned for one H200, keeps 5.9 GiB more by autodiff in a 23.7 GiB step.
+  Yet XLNet-Large's v4-128 plan and BART-large's v5litepod-256 plan are better by autodiff (benchmarks/README.md,
+  "Which GELU gradient"), so a run chooses.
+  """
   # Exact (erf) GELU: fairseq BART and HF's "gelu". The TF reference code of BERT, ALBERT and XLNet
   # uses the tanh approximation (HF "gelu_new"): approximate=True.
+  if gradient == "formula":
+    return _gelu_by_formula(x, approximate)
+  if gradient == "autodiff":
+    return nn.gelu(x, approximate=approximate)
+  raise ValueError(f"gelu_gradient={gradient!r}: expected one of {', '.join(GELU_GRADIENTS)}")
+
+
+def _gelu_fp32(x: jax.Array, approximate: bool) -> jax.Array:
   return nn.gelu(x.astype(jnp.float32), approximate=approximate).astype(x.dtype)
 
 
+_gelu_by_formula = jax.custom_vjp(_gelu_fp32, nondiff_argnums=(1,))
+
+
 def _gelu_forward(x: jax.Array, approximate: bool) -> tuple:
-  return gelu(x, approximate), x
+  return _gelu_fp32(x, approximate), x
 
 
 def _gelu_backward(approximate: bool, x: jax.Array, cotangent: jax.Array) -> tuple:
@@ -71,7 +89,7 @@ def _gelu_backward(approximate: bool, x: jax.Array, cotangent: jax.Array) -> tup
   return ((cotangent.astype(jnp.float32) * slope).astype(x.dtype),)
 
 
-gelu.defvjp(_gelu_forward, _gelu_backward)
+_gelu_by_formula.defvjp(_gelu_forward, _gelu_backward)
 
 
 class Dense(nn.Module):
@@ -451,11 +469,12 @@ class FeedForward(nn.Module):
   dtype: Dtype = jnp.float32
   approximate_gelu: bool = False
   dropout_masks: str = "auto"
+  gelu_gradient: str = "formula"
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
     h = dense(self.hidden_dim, ("embed",), ("mlp",), dtype=self.dtype, name="intermediate")(x)
-    h = constrain(gelu(h, self.approximate_gelu), BATCH_LENGTH_MLP)
+    h = constrain(gelu(h, self.approximate_gelu, self.gelu_gradient), BATCH_LENGTH_MLP)
     h = Dropout(self.dropout_rate, self.dropout_masks)(h, deterministic=deterministic)
     out = dense(x.shape[-1], ("mlp",), ("embed",), dtype=self.dtype, name="output")(h)
     return constrain(out, BATCH_LENGTH_EMBED)
@@ -491,11 +510,12 @@ class PostLNFeedForwardBlock(nn.Module):
   dtype: Dtype = jnp.float32
   approximate_gelu: bool = False
   dropout_masks: str = "auto"
+  gelu_gradient: str = "formula"
 
   @nn.compact
   def __call__(self, x, deterministic: bool):
     ffn = FeedForward(self.mlp_dim, self.activation_dropout_rate, self.dtype, self.approximate_gelu,
-                      self.dropout_masks, name="mlp")
+                      self.dropout_masks, self.gelu_gradient, name="mlp")
     update = Dropout(self.dropout_rate, self.dropout_masks)(ffn(x, deterministic), deterministic=deterministic)
     return constrain(layer_norm(self.layer_norm_eps, self.dtype, "norm")(x + update), BATCH_LENGTH_EMBED)
 
@@ -513,6 +533,7 @@ class PostLNEncoderLayer(nn.Module):
   approximate_gelu: bool = False
   attention_implementation: str = "xla"
   dropout_masks: str = "auto"
+  gelu_gradient: str = "formula"
 
   @nn.compact
   def __call__(self, x, mask: AttentionMask, deterministic: bool):
@@ -521,7 +542,8 @@ class PostLNEncoderLayer(nn.Module):
                              self.layer_norm_eps, self.dtype, self.attention_implementation, self.dropout_masks,
                              name="attention")(x, x, mask, deterministic)
     x = PostLNFeedForwardBlock(self.mlp_dim, self.dropout_rate, self.activation_dropout_rate, self.layer_norm_eps,
-                               self.dtype, self.approximate_gelu, self.dropout_masks, name="ffn")(x, deterministic)
+                               self.dtype, self.approximate_gelu, self.dropout_masks, self.gelu_gradient,
+                               name="ffn")(x, deterministic)
     return x, None
 
 
@@ -663,11 +685,12 @@ class MaskedLMHead(nn.Module):
   dtype: Dtype
   features: Optional[int] = None
   approximate_gelu: bool = False
+  gelu_gradient: str = "formula"
 
   @nn.compact
   def __call__(self, hidden, word_embedding: nn.Embed):
     h = dense(self.features or hidden.shape[-1], ("embed",), ("hidden",), dtype=self.dtype, name="transform")(hidden)
-    h = layer_norm(self.layer_norm_eps, self.dtype, "norm")(gelu(h, self.approximate_gelu))
+    h = layer_norm(self.layer_norm_eps, self.dtype, "norm")(gelu(h, self.approximate_gelu, self.gelu_gradient))
     logits = word_embedding.attend(h.astype(self.dtype))
     logits = TiedLMBias(self.vocab_size, name="output")(logits)
     return constrain(logits, BATCH_LENGTH_VOCAB)

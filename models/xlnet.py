@@ -59,6 +59,7 @@ class XLNetConfig:
   remat_policy: str = "none"
   scan_layers: bool = False  # one nn.scan over the layers (see layers.layer_stack)
   dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
+  gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
   # ATTENTION_IMPLEMENTATIONS: 'xla' computes the scores, probabilities and dropout masks in XLA; 'triton' adds
   # the position and segment scores (and the mask) to the content scores inside models/flash_dropout.py's kernel
   # (NVIDIA GPUs; a CPU interprets it), where its shapes tile, XLA's elsewhere. 'auto' is 'xla' on every chip:
@@ -300,7 +301,7 @@ class XLNetLayer(nn.Module):
     # x = LN(x + Dropout(FFN(x))), with dropout after the activation too, as the reference.
     position_wise = layers.PostLNFeedForwardBlock(cfg.d_inner, cfg.dropout_rate, cfg.dropout_rate,
                                                   cfg.layer_norm_eps, cfg.dtype, dropout_masks=cfg.dropout_masks,
-                                                  name="ff")
+                                                  gelu_gradient=cfg.gelu_gradient, name="ff")
     return (position_wise(h, deterministic), None if g is None else position_wise(g, deterministic)), new_mem
 
 

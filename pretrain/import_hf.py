@@ -36,7 +36,8 @@ from pretrain.output_dirs import check_output_dir, staged_directory
 SPM_FILES = ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 # Config fields a pretraining run chooses (gin macros of the run files), not properties of the weights.
 RUN_CHOICES = ("dtype", "remat_policy", "scan_layers", "dropout_rate", "attention_dropout", "activation_dropout",
-               "mem_len", "reuse_len", "bi_data", "clamp_len", "attention_implementation", "dropout_masks")
+               "mem_len", "reuse_len", "bi_data", "clamp_len", "attention_implementation", "dropout_masks",
+               "gelu_gradient")
 
 
 def read_hf_weights(hf_dir: epath.Path) -> Dict[str, np.ndarray]:

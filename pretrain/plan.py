@@ -31,7 +31,8 @@ the program is XLA's default one; the measured H200 steps took 1.8-2.0x that las
 
 `--search` chooses the layout instead (pretrain.plan_search): it explores mesh splits, microbatches,
 remat and scan_layers, estimates each from small compiles, compiles the best `--confirm` (default 3,
-at most 8) at full size and prints a ranked table and the best layout as pretrain.train flags;
+at most 8) at full size, and the best of those once more with the GELU's other gradient (`gelu_gradient`),
+and prints a ranked table and the best layout as pretrain.train flags;
 `--write=PATH` writes a run file of the run and that layout, with the table in its header.
 `--max_minutes` bounds the search: estimates stop at 60% of it and full-size compiles start until its end;
 it then reports what it has.

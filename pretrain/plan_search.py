@@ -20,6 +20,8 @@ and layers unrolled or scanned. Cheapest pruning first:
 4. The best `confirm` by estimated step time are compiled at full size, and ranked by those figures; a
    scanned layout whose unrolled twin fits with room is not among them (it saves memory, not time). Once a
    confirmed layout needs less HBM than its estimate, a faster one estimated too big by no more is among them.
+5. The best of those, unrolled, is compiled once more with the GELU's other gradient (`gelu_gradient`), which
+   plans better on some layouts and worse on others: a full-size compile decides (confirm_other_gelu_gradient).
 The run's own layout (its MESH_SHAPE, MICROBATCHES and remat, unrolled) is estimated first where the slice can
 have it: it is what the search must beat, the table marks it, and its measured memory prunes from the start,
 with that of its mesh at twice its microbatches (explore_model_split).
@@ -92,6 +94,7 @@ class Layout:
   microbatches: int
   remat: str
   scan_layers: bool
+  gelu_gradient: Optional[str] = None  # layers.GELU_GRADIENTS; None: the run's own
 
   @property
   def mesh_shape(self) -> dict:
@@ -99,11 +102,13 @@ class Layout:
 
   def label(self) -> str:
     layers = "scan" if self.scan_layers else "unrolled"
-    return f"{_mesh_label(self.mesh)} mb={self.microbatches} remat={self.remat} {layers}"
+    gelu = f" gelu={self.gelu_gradient}" if self.gelu_gradient else ""
+    return f"{_mesh_label(self.mesh)} mb={self.microbatches} remat={self.remat} {layers}{gelu}"
 
   def gin_bindings(self, config_name: str) -> List[str]:
+    gelu = [f"{config_name}.gelu_gradient = '{self.gelu_gradient}'"] if self.gelu_gradient else []
     return [f"MESH_SHAPE = {self.mesh_shape}", f"MICROBATCHES = {self.microbatches}",
-            f"{config_name}.remat_policy = '{self.remat}'", f"{config_name}.scan_layers = {self.scan_layers}"]
+            f"{config_name}.remat_policy = '{self.remat}'", f"{config_name}.scan_layers = {self.scan_layers}", *gelu]
 
 
 @dataclasses.dataclass
@@ -224,7 +229,8 @@ class LayoutSearch:
     return passed
 
   def config(self, layout: Layout):
-    return dataclasses.replace(self.family.config, remat_policy=layout.remat, scan_layers=layout.scan_layers)
+    gelu = {"gelu_gradient": layout.gelu_gradient} if layout.gelu_gradient else {}
+    return dataclasses.replace(self.family.config, remat_policy=layout.remat, scan_layers=layout.scan_layers, **gelu)
 
   def setup(self, layout: Layout, config=None):
     family = dataclasses.replace(self.family, config=config or self.config(layout))
@@ -368,6 +374,7 @@ class LayoutSearch:
       if candidate.layout.scan_layers and not candidate.confirmed and twin.confirmed:
         ranked[index] = Candidate(candidate.layout, dataclasses.replace(twin.plan, scan_layers=True))
     ranked.sort(key=Candidate.rank_key)
+    self.confirm_other_gelu_gradient(ranked)
     result = SearchResult(ranked, _best(ranked), considered, self.discarded, self.compiles, time.time() - start,
                           self.stopped_early, config_name(config), run_layout)
     if result.best is None:
@@ -408,6 +415,21 @@ class LayoutSearch:
           return
         ranked[index] = self.confirm(candidate, twin)
       confirmed += 1
+
+  def confirm_other_gelu_gradient(self, ranked: List[Candidate]) -> None:
+    """Adds to `ranked` (in place, ranked again) the best confirmed unrolled layout compiled at full size with the
+    GELU's other gradient (layers.GELU_GRADIENTS). Which one plans better depends on the layout, not the chip:
+    by formula, BART-large on a v4-128 and XLNet-Large on a v3-512; by autodiff, XLNet-Large on a v4-128 and
+    BART-large on a v5litepod-256 (benchmarks/README.md, "Which GELU gradient")."""
+    from models import layers
+    best = _best([c for c in ranked if not c.layout.scan_layers])
+    if best is None or not best.confirmed or self.past(self.confirming_ends):
+      return
+    other = next(name for name in layers.GELU_GRADIENTS if name != self.family.config.gelu_gradient)
+    layout = dataclasses.replace(best.layout, gelu_gradient=other)
+    figures, seconds = self.figures_of(layout, self.config(layout), "full size")
+    ranked.append(Candidate(layout, self.plan(layout, figures, seconds), confirmed=True))
+    ranked.sort(key=Candidate.rank_key)
 
   def explore_model_split(self, meshes: List[tuple], floors: dict, first: Optional[Layout] = None) -> List[Candidate]:
     """The fitting layouts that no other fitting one dominates, for meshes of one model size (least fsdp

@@ -24,7 +24,7 @@ from pretrain.families.base import Family
 VOCAB_FILE = "vocab.model"
 # Model settings a run may change when it resumes: how it computes, not what it computes.
 RESUMABLE_MODEL_CHANGES = ("dtype", "remat_policy", "dropout_rate", "attention_dropout", "activation_dropout",
-                           "attention_implementation", "dropout_masks")
+                           "attention_implementation", "dropout_masks", "gelu_gradient")
 
 
 @dataclasses.dataclass(frozen=True)

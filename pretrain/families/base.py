@@ -20,6 +20,8 @@ from pretrain.errors import ConfigError, user_settings
 # Model settings whose 'auto' is resolved for the chip a run compiles for: name -> (values, chooser).
 DEVICE_CHOICES = {"attention_implementation": (layers.ATTENTION_IMPLEMENTATIONS, layers.attention_for_device),
                   "dropout_masks": (dropout.DROPOUT_MASKS, dropout.masks_for_device)}
+# Model settings that choose between ways of computing the same step, whatever the chip: name -> values.
+COMPUTE_CHOICES = {"gelu_gradient": layers.GELU_GRADIENTS}
 
 Batch = Mapping[str, jax.Array]
 Metrics = Dict[str, jax.Array]
@@ -59,14 +61,14 @@ class Family(abc.ABC):
 
   def for_device(self, device) -> "Family":
     """The family as it compiles for `device`'s chip: a model's attention and dropout masks of 'auto' become
-    the chip's (`layers.attention_for_device`, `dropout.masks_for_device`)."""
-    chosen = {}
-    for name, (known, for_device) in self.device_choices.items():
+    the chip's (`layers.attention_for_device`, `dropout.masks_for_device`), and every such choice is checked."""
+    known_values = {**COMPUTE_CHOICES, **{name: known for name, (known, _) in self.device_choices.items()}}
+    for name, known in known_values.items():
       value = getattr(self.config, name, None)
       if value is not None and value not in known:
         raise ConfigError(f"{name}={value!r}: expected one of {', '.join(known)}")
-      if value == "auto":
-        chosen[name] = for_device(device)
+    chosen = {name: for_device(device) for name, (_, for_device) in self.device_choices.items()
+              if getattr(self.config, name, None) == "auto"}
     attention = chosen.get("attention_implementation", getattr(self.config, "attention_implementation", None))
     refusal = attention and layers.attention_refusal(attention, device)
     if refusal:

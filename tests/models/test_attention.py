@@ -161,7 +161,8 @@ def test_a_family_resolves_auto_for_the_chip_it_compiles_for_and_refuses_unknown
   triton_on_cpu = dataclasses.replace(family.config, attention_implementation="triton")
   on_cpu = dataclasses.replace(family, config=triton_on_cpu).for_device(device("cpu", "cpu")).config
   assert on_cpu.attention_implementation == "triton"
-  for name, value in (("attention_implementation", "flash"), ("dropout_masks", "philox")):
+  for name, value in (("attention_implementation", "flash"), ("dropout_masks", "philox"),
+                      ("gelu_gradient", "checkpoint")):
     with pytest.raises(ConfigError, match=f"{name}='{value}'"):
       dataclasses.replace(family, config=dataclasses.replace(family.config, **{name: value})
                           ).for_device(device("cpu", "cpu"))

@@ -152,7 +152,7 @@ def test_albert_scans_only_whole_layer_sharing():
 
 
 @pytest.mark.parametrize("approximate", [False, True])
-def test_gelu_keeps_only_its_input_for_the_backward_pass_and_gives_flaxs_gradient(approximate, capsys):
+def test_gelu_by_formula_keeps_only_its_input_for_the_backward_pass_and_gives_flaxs_gradient(approximate, capsys):
   from jax import ad_checkpoint
   x = jnp.linspace(-6.0, 6.0, 64 * 64).reshape(64, 64)
 
@@ -160,14 +160,36 @@ def test_gelu_keeps_only_its_input_for_the_backward_pass_and_gives_flaxs_gradien
     ad_checkpoint.print_saved_residuals(lambda x: function(x).sum(), x)
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("f32[64,64]")]
 
-  ours, flaxs = functools.partial(layers.gelu, approximate=approximate), functools.partial(nn.gelu,
-                                                                                            approximate=approximate)
-  assert kept_of_x_size(ours) == ["f32[64,64] from the argument x"]
-  assert len(kept_of_x_size(flaxs)) >= 3  # erfc's and exp's outputs and a product (tanh: more)
-  np.testing.assert_array_equal(ours(x), flaxs(x))
+  by_formula = functools.partial(layers.gelu, approximate=approximate)
+  by_autodiff = functools.partial(layers.gelu, approximate=approximate, gradient="autodiff")
+  flaxs = functools.partial(nn.gelu, approximate=approximate)
+  assert kept_of_x_size(by_formula) == ["f32[64,64] from the argument x"]
+  assert len(kept_of_x_size(by_autodiff)) >= 3  # erfc's and exp's outputs and a product (tanh: more)
+  np.testing.assert_array_equal(by_formula(x), flaxs(x))
+  np.testing.assert_array_equal(by_autodiff(x), flaxs(x))
+  flaxs_grad = jax.grad(lambda x: flaxs(x).sum())(x)
+  np.testing.assert_array_equal(jax.grad(lambda x: by_autodiff(x).sum())(x), flaxs_grad)
   # Differentiated by formula, not by autodiff: fp32's rounding differs where 1 + tanh cancels (x near -6).
-  np.testing.assert_allclose(jax.grad(lambda x: ours(x).sum())(x), jax.grad(lambda x: flaxs(x).sum())(x),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(jax.grad(lambda x: by_formula(x).sum())(x), flaxs_grad, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="gelu_gradient='checkpoint'"):
+    layers.gelu(x, approximate, "checkpoint")
+
+
+# GELUs with a backward pass in each test model: one per FFN and BERT's and ALBERT's MLM head. XLNet's FFN serves
+# both streams, but its logits come from the query stream, so the last layer's content stream has no gradient.
+GELUS = {"bert": 3 + 1, "albert_shared": 3 + 1, "albert_unshared": 3 + 1, "bart": 2 + 3, "xlnet": 3 * 2 - 1}
+
+
+def test_a_models_gelu_gradient_setting_reaches_every_gelu(case):
+  """Each GELU differentiated by formula puts one optimization barrier in the backward pass; by autodiff, none
+  (their values are compared above)."""
+  def barriers(gelu_gradient: str) -> int:
+    config = dataclasses.replace(case["config"], gelu_gradient=gelu_gradient)
+    model = case["spec"].family_cls(config=config).make_model()
+    step = jax.value_and_grad(functools.partial(squared_outputs, model), has_aux=True)
+    return str(jax.make_jaxpr(step)(case["params"], case["features"], case["extra"])).count("optimization_barrier")
+
+  assert barriers("formula") - barriers("autodiff") == GELUS[case["name"]]
 
 
 @pytest.mark.parametrize("approximate", [False, True])

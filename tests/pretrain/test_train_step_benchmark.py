@@ -39,6 +39,16 @@ def test_the_step_benchmark_times_each_side_from_the_same_weights(monkeypatch):
   assert re.search(r"^\s+[\d.]+\s+[\d.]+%\s+\d+\s+backward encoder/layer_\*/", profile, re.M)
 
 
+def test_the_gelu_gradients_to_time_are_a_list_of_the_models_choices(capsys):
+  parser = runpy.run_path("benchmarks/train_step.py")["make_parser"]()
+  assert parser.parse_args([]).gelu_gradient == ["formula"]
+  assert parser.parse_args(["--gelu_gradient=formula,autodiff"]).gelu_gradient == ["formula", "autodiff"]
+  with pytest.raises(SystemExit) as exited:
+    parser.parse_args(["--gelu_gradient=formula,checkpoint"])
+  assert exited.value.code == 2
+  assert "'formula,checkpoint': expected a comma-separated list of formula, autodiff" in capsys.readouterr().err
+
+
 def test_an_unknown_torch_compile_backend_is_named_before_anything_runs(capsys):
   parser = runpy.run_path("benchmarks/train_step.py")["make_parser"]()
   assert parser.parse_args(["--hf_compile"]).hf_compile == "inductor"

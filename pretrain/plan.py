@@ -299,6 +299,10 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
   unconfirmed = "" if result.best.confirmed else " (an estimate: not compiled at full size)"
   print(f"best: {result.best.layout.label()}{unconfirmed}{plan_search.against_run_layout(result)}; train with:")
   print(f"  {plan_search.gin_flags(result, arguments)}")
+  gelu = result.best.layout.gelu_gradient
+  if gelu:  # it may leave room for layouts the search ruled out with the run's own gradient
+    print(f"the GELU by {gelu} planned faster than by the run's own gradient; layouts that did not fit may fit with "
+          f"it: search again with --gin.{result.config_name}.gelu_gradient=\"'{gelu}'\"")
   if flags["write"]:
     capped = "" if flags["hbm_cap"] is None else f" --hbm_limit_gib={flags['hbm_cap'] / GIB:g}"
     header = (f"Layout chosen by `python -m pretrain.plan --search --topology={topology}{capped}` on "

@@ -105,10 +105,14 @@ class Layout:
     gelu = f" gelu={self.gelu_gradient}" if self.gelu_gradient else ""
     return f"{_mesh_label(self.mesh)} mb={self.microbatches} remat={self.remat} {layers}{gelu}"
 
+  def model_settings(self) -> dict:
+    """The model config fields the layout sets."""
+    gelu = {"gelu_gradient": self.gelu_gradient} if self.gelu_gradient else {}
+    return {"remat_policy": self.remat, "scan_layers": self.scan_layers, **gelu}
+
   def gin_bindings(self, config_name: str) -> List[str]:
-    gelu = [f"{config_name}.gelu_gradient = '{self.gelu_gradient}'"] if self.gelu_gradient else []
     return [f"MESH_SHAPE = {self.mesh_shape}", f"MICROBATCHES = {self.microbatches}",
-            f"{config_name}.remat_policy = '{self.remat}'", f"{config_name}.scan_layers = {self.scan_layers}", *gelu]
+            *(f"{config_name}.{name} = {value!r}" for name, value in self.model_settings().items())]
 
 
 @dataclasses.dataclass
@@ -229,8 +233,7 @@ class LayoutSearch:
     return passed
 
   def config(self, layout: Layout):
-    gelu = {"gelu_gradient": layout.gelu_gradient} if layout.gelu_gradient else {}
-    return dataclasses.replace(self.family.config, remat_policy=layout.remat, scan_layers=layout.scan_layers, **gelu)
+    return dataclasses.replace(self.family.config, **layout.model_settings())
 
   def setup(self, layout: Layout, config=None):
     family = dataclasses.replace(self.family, config=config or self.config(layout))

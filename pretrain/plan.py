@@ -51,6 +51,7 @@ plan one configuration at a time.
 """
 import dataclasses
 import os
+import shlex
 import sys
 import threading
 import time
@@ -299,6 +300,7 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
   unconfirmed = "" if result.best.confirmed else " (an estimate: not compiled at full size)"
   print(f"best: {result.best.layout.label()}{unconfirmed}{plan_search.against_run_layout(result)}; train with:")
   print(f"  {plan_search.gin_flags(result, arguments)}")
+  print_worth_confirming(result, arguments, flags, num_slices, files, bindings)
   gelu = result.best.layout.gelu_gradient
   if gelu:  # it may leave room for layouts the search ruled out with the run's own gradient
     print(f"the GELU by {gelu} planned faster than by the run's own gradient; layouts that did not fit may fit with "
@@ -310,6 +312,25 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
     with open(flags["write"], "w") as f:
       f.write(plan_search.run_file(result, arguments, files, bindings, header))
     print(f"wrote {flags['write']}")
+
+
+def print_worth_confirming(result, arguments: dict, flags: dict, num_slices: int, files: list, bindings: list) -> None:
+  """The layouts estimated faster than the best that --confirm or --max_minutes left uncompiled, each with the
+  command that plans it at full size."""
+  unconfirmed = plan_search.worth_confirming(result)
+  if not unconfirmed:
+    return
+  over = 1 / plan_search.memory_calibration(result.candidates) - 1
+  why = f"the estimates here ran up to {over:.0%} over their full compiles" if over > 0 else "by estimate"
+  print(f"{len(unconfirmed)} layout(s) estimated faster than the best were not compiled at full size and may fit "
+        f"({why}): search with a larger --confirm, or plan each:")
+  given = [*(f"--gin_file={path}" for path in files),
+           *(f"--gin.{key.strip()}={value.strip()}" for key, _, value in (b.partition("=") for b in bindings)),
+           f"--topology={flags['topology']}", *([f"--num_slices={num_slices}"] if num_slices > 1 else []),
+           *([f"--hbm_limit_gib={flags['hbm_cap'] / GIB:g}"] if flags["hbm_cap"] is not None else [])]
+  for candidate in unconfirmed:
+    print(f"  python -m pretrain.plan {' '.join(shlex.quote(flag) for flag in given)} "
+          f"{plan_search.gin_flags(result, arguments, candidate.layout)}")
 
 
 if __name__ == "__main__":

@@ -23,8 +23,10 @@ and layers unrolled or scanned. Cheapest pruning first:
 5. The best of those, unrolled, is compiled once more with the GELU's other gradient (`gelu_gradient`), which
    plans better on some layouts and worse on others: a full-size compile decides (confirm_other_gelu_gradient).
 The run's own layout (its MESH_SHAPE, MICROBATCHES and remat, unrolled) is estimated first where the slice can
-have it: it is what the search must beat, the table marks it, and its measured memory prunes from the start,
-with that of its mesh at twice its microbatches (explore_model_split).
+have it, and compiled at full size: it is what the search must beat, the table marks it, and its memory prunes
+from the start, with that of its mesh at twice its microbatches; how far its estimate ran over its full compile
+scales the predictions that prune (explore_model_split): BART-large's run layout on a v5litepod-256 was estimated
+71% over its full compile, and predictions from such estimates rule out layouts that fit.
 How far estimates go: FLOPs, collectives and the state's HBM are linear in depth and extrapolate exactly. Peak
 temporaries were near-additive in depth for small models (12-layer BERT-base and 12+12-layer BART-large on a v3-8,
 4+4 BART-large layers on a v4-8: 3% over to 1% under from 1- and 2-layer compiles). At the run files' sizes 1-layer
@@ -443,8 +445,10 @@ class LayoutSearch:
     HEADROOM_WARNING free dominates nothing: small compiles underestimate a deep step's peak HBM (BERT-Large
     on a v3-512: 3.18 GiB estimated, 4.32 GiB compiled), so the safer layouts beyond it are estimated too.
     A layout predicted from this remat's estimates (predicted_hbm) to need more HBM than there is is not
-    compiled. `first`, where it is one of these layouts, is estimated before the others (the run's own), and
-    where it fits with microbatches, its mesh at twice as many."""
+    compiled, its prediction scaled by how far the estimates ran over full compiles (memory_calibration).
+    `first`, where it is one of these layouts, is estimated before the others (the run's own) and compiled at
+    full size, whose memory calibrates those predictions; where it fits with microbatches, its mesh at twice as
+    many is estimated next."""
     counts = self.valid_microbatches(meshes[0])
     limit = self.hbm_limit(meshes[0])
     estimates, fitting = [], []  # fitting: (mesh index, microbatches, remat index)
@@ -460,6 +464,8 @@ class LayoutSearch:
 
     known = {}  # estimated before the walk
     if first is not None and first.mesh in meshes and first.remat in measured:
+      # Compiled at full size once estimated: the baseline, and how far over this split's memory estimates run
+      # (memory_calibration), so that predictions from them rule out only what cannot fit even so.
       # Where it fits with microbatches, its mesh at twice as many next: the cheapest compile (half the rows per
       # core) that tells its activations from its state share (predicted_hbm), so that the layouts of fewer
       # microbatches, whose compiles cost the most, are predicted rather than compiled where they cannot fit.
@@ -473,6 +479,8 @@ class LayoutSearch:
           known[layout] = estimate(layout)
         except ConfigError:  # the walk reaches it and counts its row as invalid
           break
+        if layout == first and not known[layout].confirmed and known[layout].plan.figures is not None:
+          known[layout] = estimates[-1] = self.confirm(known[layout], known[layout])
         if not known[layout].fits:
           break
     for remat_index, remat in enumerate(REMAT_POLICIES):
@@ -483,7 +491,7 @@ class LayoutSearch:
           layout = Layout(mesh, microbatches, remat, False)
           candidate = known.get(layout)
           if candidate is None:
-            if predicted_hbm(floors[mesh], microbatches, measured[remat]) > limit:
+            if predicted_hbm(floors[mesh], microbatches, measured[remat]) * memory_calibration(estimates) > limit:
               continue
             if self.past(self.estimating_ends):
               return estimates
@@ -661,13 +669,25 @@ def against_run_layout(result: SearchResult) -> str:
   return f", {given / best:.2f}x the speed of the run's own layout ({given:.3g} s -> {best:.3g} s)"
 
 
-def gin_flags(result: SearchResult, arguments: dict) -> str:
-  """The best layout as pretrain.train flags."""
-  return " ".join(f'--gin.{key}="{value}"' for key, value in _bindings(result, arguments))
+def worth_confirming(result: SearchResult) -> List[Candidate]:
+  """Unrolled layouts estimated faster than the best that were not compiled at full size, though they may fit by
+  how far this search's estimates ran over their full compiles (memory_calibration): what --confirm or
+  --max_minutes ran out before. The search of BART-large on a v5litepod-256 left one so (its table's rank 3),
+  compiled by hand later: 14.46 GiB of 15.75, 13% faster than the best confirmed."""
+  if result.best is None or not result.best.confirmed:
+    return []
+  scale = memory_calibration(result.candidates)
+  return [c for c in result.candidates if not c.confirmed and not c.layout.scan_layers and c.plan.figures is not None
+          and c.may_fit(scale) and c.speed_key()[:2] < result.best.speed_key()[:2]]
 
 
-def _bindings(result: SearchResult, arguments: dict) -> List[tuple]:
-  lines = result.best.layout.gin_bindings(result.config_name)
+def gin_flags(result: SearchResult, arguments: dict, layout: Optional[Layout] = None) -> str:
+  """A layout (by default the best) as pretrain.train or pretrain.plan flags."""
+  return " ".join(f'--gin.{key}="{value}"' for key, value in _bindings(result, arguments, layout))
+
+
+def _bindings(result: SearchResult, arguments: dict, layout: Optional[Layout] = None) -> List[tuple]:
+  lines = (layout or result.best.layout).gin_bindings(result.config_name)
   if arguments["microbatch_rows_per_group"] is not None:  # it would contradict MICROBATCHES
     lines.append("MICROBATCH_ROWS_PER_GROUP = None")
   return [tuple(part.strip() for part in line.split("=", 1)) for line in lines]

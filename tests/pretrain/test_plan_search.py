@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import shlex
 import types
 from typing import Optional
 from unittest import mock
@@ -124,8 +125,10 @@ class MadeUpSearch(plan_search.LayoutSearch):
   LIMIT = 100
   HBM_SECONDS = {1: 0.0, 2: 0.0, 4: 0.0}  # by fsdp
 
+  FULL_SIZE_SHARE = 1.0  # of an estimate's HBM that the layout's full-size compile needs
+
   def __init__(self):  # none of a real search's run, slice or compiles
-    self.discarded, self.estimated = {}, []
+    self.discarded, self.estimated, self.compiled_at_full_size = {}, [], []
     self.estimating_ends = self.confirming_ends = float("inf")
     self.stopped_early = False
 
@@ -142,6 +145,12 @@ class MadeUpSearch(plan_search.LayoutSearch):
     compute = 1 + fsdp / 10 + layout.microbatches / 10 + plan_search.REMAT_POLICIES.index(layout.remat) / 10
     times = {"compute": compute, "HBM": self.HBM_SECONDS[fsdp], "communication": 0.0}
     return plan_search.Candidate(layout, made_up_plan(hbm, self.LIMIT, times))
+
+  def confirm(self, candidate, twin):
+    self.compiled_at_full_size.append(candidate.layout)
+    plan = made_up_plan(candidate.plan.figures.hbm_total * self.FULL_SIZE_SHARE, self.LIMIT,
+                        candidate.plan.step_seconds())
+    return plan_search.Candidate(candidate.layout, plan, confirmed=True, estimate=candidate.plan)
 
 
 def made_up_plan(hbm: float, limit: float, times: dict, chip_hbm: Optional[float] = None):
@@ -197,6 +206,29 @@ def test_the_runs_own_layout_is_estimated_first_then_its_mesh_at_twice_its_micro
   assert list(tried.items())[0] == ((2, 2, "none"), False) and (2, 4, "none") not in tried
   # A layout that is not among the split's (3 microbatches do not divide the rows) changes nothing.
   assert explored(MadeUpSearch(), first=dataclasses.replace(own, microbatches=3)) == explored(MadeUpSearch())
+
+
+def test_the_runs_own_layout_compiled_at_full_size_scales_the_predictions_that_rule_layouts_out():
+  """As BART-large on a v5litepod-256, whose run layout was estimated 71% over its full compile: predictions
+  from such estimates would rule out layouts that fit."""
+  own = plan_search.Layout(MESHES[0], 2, "none", False)  # fsdp 1, two microbatches: 40 + 45 estimated
+
+  def searched(full_size_share):
+    search = MadeUpSearch()
+    search.ACTIVATIONS = {"none": 90, "dots": 45, "full": 22.5}
+    search.FULL_SIZE_SHARE = full_size_share
+    return explored(search, first=own), search.compiled_at_full_size
+
+  # Estimated as they are, the two layouts of the run's mesh make 90 of activations per microbatch: one
+  # microbatch needs 25 + 90 on fsdp 2 and 12 + 90 on fsdp 4, and neither is compiled.
+  tried, full_size = searched(1.0)
+  assert full_size == [own] and list(tried)[:2] == [(1, 2, "none"), (1, 4, "none")]
+  assert (2, 1, "none") not in tried and (4, 1, "none") not in tried
+  # The run's layout compiled at 80% of its estimate: predictions are scaled alike (92 and 81.6), so both are
+  # estimated, and may be confirmed (confirm_fastest scales their estimates the same way).
+  tried, full_size = searched(0.8)
+  assert full_size == [own] and tried[(1, 2, "none")] is True
+  assert tried[(2, 1, "none")] is False and tried[(4, 1, "none")] is False  # over by estimate: 115 and 102
 
 
 def test_a_layout_is_left_out_only_where_no_mix_of_activations_and_state_sized_temporaries_would_fit():
@@ -430,6 +462,44 @@ def test_once_a_confirmed_layout_needs_less_than_its_estimate_a_faster_one_estim
   assert confirmed({1: 0.6, 2: 0.6, 4: 0.6}, every_one_over) == ([(4, 2), (2, 1)], 1)
   # Where the least compiles too big too, the next least is compiled; nothing fits in the end.
   assert confirmed({1: 1.0, 2: 1.0, 4: 1.0}, every_one_over) == ([(4, 2), (2, 1)], None)
+
+
+def test_faster_layouts_left_unconfirmed_that_may_fit_are_named_with_the_command_that_plans_them(capsys):
+  """As the search of BART-large on a v5litepod-256 that --confirm=2 ended: its third layout, estimated 68% over
+  the HBM but faster, fitted when planned by hand."""
+  from pretrain import cli, plan
+
+  def candidate(fsdp, microbatches, hbm, seconds, full_size=None, scan=False):
+    layout = plan_search.Layout(MESHES[[1, 2, 4].index(fsdp)], microbatches, "none", scan)
+    estimate = made_up_plan(hbm, 100, {"compute": seconds, "HBM": 0.0, "communication": 0.0})
+    if full_size is None:
+      return plan_search.Candidate(layout, estimate)
+    return plan_search.Candidate(layout, made_up_plan(full_size, 100, estimate.step_seconds()), True, estimate)
+
+  best = candidate(4, 2, 100, 1.2, full_size=70)  # compiled at 70% of its estimate
+  over_by_as_much = candidate(2, 1, 140, 1.0)  # 140 × 0.7 = 98: may fit
+  too_big = candidate(1, 1, 150, 0.9)  # 105
+  scanned = candidate(2, 1, 140, 1.0, scan=True)  # its unrolled twin's estimate
+  slower = candidate(4, 4, 60, 1.4)
+  result = plan_search.SearchResult(sorted([best, over_by_as_much, too_big, scanned, slower],
+                                           key=plan_search.Candidate.rank_key),
+                                    best, 5, {}, 1, 1.0, False, "bert.BertConfig")
+  assert plan_search.worth_confirming(result) == [over_by_as_much]
+  assert plan_search.worth_confirming(dataclasses.replace(result, best=over_by_as_much)) == []  # an estimate
+
+  flags = {"topology": "v3:2x2", "hbm_cap": 14 * roofline.GIB}
+  plan.print_worth_confirming(result, {"microbatch_rows_per_group": None}, flags, 1, ["runs/a b.gin"],
+                              ["BATCH_SIZE = 32"])
+  said, command = capsys.readouterr().out.splitlines()
+  assert said == ("1 layout(s) estimated faster than the best were not compiled at full size and may fit (the "
+                  "estimates here ran up to 43% over their full compiles): search with a larger --confirm, or plan "
+                  "each:")
+  words = shlex.split(command)
+  assert words[:3] == ["python", "-m", "pretrain.plan"]
+  files, bindings, rest = cli.split_gin_args(words[3:])
+  assert files == ["runs/a b.gin"] and rest == ["--topology=v3:2x2", "--hbm_limit_gib=14"]
+  # The search's own bindings, then the layout's, which gin applies last.
+  assert bindings == ["BATCH_SIZE = 32", *over_by_as_much.layout.gin_bindings("bert.BertConfig")]
 
 
 def test_a_confirmed_layout_the_compiler_refused_keeps_its_estimate_compile_time_and_mark_in_the_table():

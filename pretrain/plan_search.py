@@ -673,7 +673,7 @@ def worth_confirming(result: SearchResult) -> List[Candidate]:
   """Unrolled layouts estimated faster than the best that were not compiled at full size, though they may fit by
   how far this search's estimates ran over their full compiles (memory_calibration): what --confirm or
   --max_minutes ran out before. The search of BART-large on a v5litepod-256 left one so (its table's rank 3),
-  compiled by hand later: 14.46 GiB of 15.75, 13% faster than the best confirmed."""
+  compiled by hand later: 14.46 GiB of 15.75, 13% less time per step than the best confirmed."""
   if result.best is None or not result.best.confirmed:
     return []
   scale = memory_calibration(result.candidates)

@@ -34,7 +34,8 @@ remat and scan_layers, estimates each from small compiles, compiles the best `--
 at most 8) at full size, and the best of those once more with the GELU's other gradient (`gelu_gradient`),
 and prints a ranked table and the best layout as pretrain.train flags;
 `--write=PATH` writes a run file of the run and that layout, with the table in its header.
-`--max_minutes` bounds the search: estimates stop at 60% of it and full-size compiles start until its end;
+`--max_minutes` bounds the search: estimates stop at 60% of it (plus the time of the run's own layout's full-size
+compile) and full-size compiles start until its end;
 it then reports what it has.
 The small compiles of an estimate (stacks of 2 and 3 layers) run `--jobs` at once, each on a CPU of its own
 (default: up to 3, as many as there are CPUs).

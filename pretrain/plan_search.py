@@ -86,7 +86,8 @@ def default_jobs(cpus: int, memory_bytes: int) -> int:
 
 
 DEFAULT_JOBS = default_jobs(os.cpu_count() or 1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-ESTIMATING_SHARE = 0.6  # of --max_minutes: estimates stop there, leaving the rest to confirm the best of them
+ESTIMATING_SHARE = 0.6  # of --max_minutes: estimates stop there (and later by the time the run's own layout took to
+# compile at full size, confirming done first), leaving the rest to confirm the best of them
 _INDIVISIBLE = re.compile(r"spec=P\(([^)]*)\).*full shape: (\([^)]*\))", re.DOTALL)  # jax's IndivisibleError
 
 
@@ -481,6 +482,8 @@ class LayoutSearch:
           break
         if layout == first and not known[layout].confirmed and known[layout].plan.figures is not None:
           known[layout] = estimates[-1] = self.confirm(known[layout], known[layout])
+          # Confirming done early: its time comes out of confirming's share of --max_minutes, not estimating's.
+          self.estimating_ends = min(self.estimating_ends + known[layout].plan.compile_seconds, self.confirming_ends)
         if not known[layout].fits:
           break
     for remat_index, remat in enumerate(REMAT_POLICIES):

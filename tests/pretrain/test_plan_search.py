@@ -126,6 +126,7 @@ class MadeUpSearch(plan_search.LayoutSearch):
   HBM_SECONDS = {1: 0.0, 2: 0.0, 4: 0.0}  # by fsdp
 
   FULL_SIZE_SHARE = 1.0  # of an estimate's HBM that the layout's full-size compile needs
+  FULL_SIZE_SECONDS = 0.0  # that compile's time
 
   def __init__(self):  # none of a real search's run, slice or compiles
     self.discarded, self.estimated, self.compiled_at_full_size = {}, [], []
@@ -149,15 +150,15 @@ class MadeUpSearch(plan_search.LayoutSearch):
   def confirm(self, candidate, twin):
     self.compiled_at_full_size.append(candidate.layout)
     plan = made_up_plan(candidate.plan.figures.hbm_total * self.FULL_SIZE_SHARE, self.LIMIT,
-                        candidate.plan.step_seconds())
+                        candidate.plan.step_seconds(), compile_seconds=self.FULL_SIZE_SECONDS)
     return plan_search.Candidate(candidate.layout, plan, confirmed=True, estimate=candidate.plan)
 
 
-def made_up_plan(hbm: float, limit: float, times: dict, chip_hbm: Optional[float] = None):
+def made_up_plan(hbm: float, limit: float, times: dict, chip_hbm: Optional[float] = None, compile_seconds=0.0):
   """A stand-in for a compiled roofline.Plan: its HBM, headroom and step times, with the Plan's own arithmetic;
   `limit` below `chip_hbm`: compiled under a cap (--hbm_limit_gib)."""
   plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm, kernel_seconds=0.0), hbm_limit=limit,
-                               chip_hbm=chip_hbm or limit,
+                               chip_hbm=chip_hbm or limit, compile_seconds=compile_seconds,
                                step_seconds=lambda: times)
   for method in ("bound", "overlapped_seconds", "serial_seconds"):
     setattr(plan, method, getattr(roofline.Plan, method).__get__(plan))
@@ -217,7 +218,12 @@ def test_the_runs_own_layout_compiled_at_full_size_scales_the_predictions_that_r
     search = MadeUpSearch()
     search.ACTIVATIONS = {"none": 90, "dots": 45, "full": 22.5}
     search.FULL_SIZE_SHARE = full_size_share
-    return explored(search, first=own), search.compiled_at_full_size
+    search.FULL_SIZE_SECONDS = 600.0
+    search.estimating_ends, search.confirming_ends = 1e12, 1e12 + 1000
+    tried = explored(search, first=own)
+    # That compile was confirming done early: estimating ends later by its time.
+    assert search.estimating_ends == 1e12 + 600
+    return tried, search.compiled_at_full_size
 
   # Estimated as they are, the two layouts of the run's mesh make 90 of activations per microbatch: one
   # microbatch needs 25 + 90 on fsdp 2 and 12 + 90 on fsdp 4, and neither is compiled.

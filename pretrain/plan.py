@@ -316,15 +316,18 @@ def search_main(arguments: dict, flags: dict, num_slices: int, files: list, bind
 
 
 def print_worth_confirming(result, arguments: dict, flags: dict, num_slices: int, files: list, bindings: list) -> None:
-  """The layouts estimated faster than the best that --confirm or --max_minutes left uncompiled, each with the
-  command that plans it at full size."""
+  """The layouts that --confirm or --max_minutes left uncompiled and that may fit and be faster than the best
+  (plan_search.worth_confirming), each with the command that plans it at full size."""
   unconfirmed = plan_search.worth_confirming(result)
   if not unconfirmed:
     return
-  over = 1 / plan_search.memory_calibration(result.candidates) - 1
-  why = f"the estimates here ran up to {over:.0%} over their full compiles" if over > 0 else "by estimate"
-  print(f"{len(unconfirmed)} layout(s) estimated faster than the best were not compiled at full size and may fit "
-        f"({why}): search with a larger --confirm, or plan each:")
+  candidates = result.candidates
+  memory, pace = plan_search.memory_calibration(candidates), plan_search.step_time_calibration(candidates)
+  seen = [*([f"needed at most {memory:.2f}x their estimated HBM"] if memory < 1 else []),
+          *([f"took at least {pace:.2f}x their estimated step time"] if pace != 1 else [])]
+  why = f"full compiles here {' and '.join(seen)}" if seen else "by estimate"
+  print(f"{len(unconfirmed)} layout(s) not compiled at full size may fit and be faster than the best ({why}): "
+        "search with a larger --confirm, or plan each:")
   given = [*(f"--gin_file={path}" for path in files),
            *(f"--gin.{key.strip()}={value.strip()}" for key, _, value in (b.partition("=") for b in bindings)),
            f"--topology={flags['topology']}", *([f"--num_slices={num_slices}"] if num_slices > 1 else []),

@@ -560,11 +560,25 @@ def predicted_hbm(state: float, microbatches: int, measured: List[tuple]) -> flo
 
 def memory_calibration(candidates: List[Candidate]) -> float:
   """The least ratio of a confirmed unrolled layout's HBM to its estimate's, or 1 where none was over: how far
-  over the estimates of this model on this slice have been seen to run. Scanned layouts are left out: their
-  estimate is their unrolled twin's memory."""
-  return min([1.0, *(c.plan.figures.hbm_total / c.estimate.figures.hbm_total for c in candidates
-                     if c.confirmed and not c.layout.scan_layers and c.plan.figures is not None
-                     and c.estimate is not None and c.estimate.figures is not None)])
+  over the estimates of this model on this slice have been seen to run."""
+  return min([1.0, *(c.plan.figures.hbm_total / c.estimate.figures.hbm_total for c in _compiled_both_ways(candidates))])
+
+
+def step_time_calibration(candidates: List[Candidate]) -> float:
+  """The least ratio of a confirmed unrolled layout's step time (collectives overlapped) to its estimate's, or 1
+  where there is none: the least that a full compile has been seen to change an estimate's time here. Small
+  compiles underestimate HBM-bound steps (module docstring): BERT-Large's full compiles on a v5litepod-256 took
+  1.14-1.28x their estimates' time (2026-12-03), and a layout estimated 6% faster than the best confirmed planned
+  19% slower."""
+  ratios = [c.plan.overlapped_seconds() / c.estimate.overlapped_seconds() for c in _compiled_both_ways(candidates)]
+  return min(ratios) if ratios else 1.0
+
+
+def _compiled_both_ways(candidates: List[Candidate]) -> List[Candidate]:
+  """Confirmed layouts with the figures of their estimate and of their full compile. Scanned layouts are left
+  out: their estimate is their unrolled twin's."""
+  return [c for c in candidates if c.confirmed and not c.layout.scan_layers and c.plan.figures is not None
+          and c.estimate is not None and c.estimate.figures is not None]
 
 
 def _activations_and_state_share(points: List[tuple]) -> Optional[tuple]:
@@ -673,15 +687,16 @@ def against_run_layout(result: SearchResult) -> str:
 
 
 def worth_confirming(result: SearchResult) -> List[Candidate]:
-  """Unrolled layouts estimated faster than the best that were not compiled at full size, though they may fit by
-  how far this search's estimates ran over their full compiles (memory_calibration): what --confirm or
-  --max_minutes ran out before. The search of BART-large on a v5litepod-256 left one so (its table's rank 3),
-  compiled by hand later: 14.46 GiB of 15.75, 13% less time per step than the best confirmed."""
+  """Unrolled layouts not compiled at full size (what --confirm or --max_minutes ran out before) that may fit and
+  be faster than the best, by how this search's estimates compared with their full compiles: their memory scaled
+  as memory_calibration allows, their step time as step_time_calibration. The search of BART-large on a
+  v5litepod-256 left one so (its table's rank 3), compiled by hand later: 14.46 GiB of 15.75, 13% less time per
+  step than the best confirmed."""
   if result.best is None or not result.best.confirmed:
     return []
-  scale = memory_calibration(result.candidates)
+  scale, pace = memory_calibration(result.candidates), step_time_calibration(result.candidates)
   return [c for c in result.candidates if not c.confirmed and not c.layout.scan_layers and c.plan.figures is not None
-          and c.may_fit(scale) and c.speed_key()[:2] < result.best.speed_key()[:2]]
+          and c.may_fit(scale) and tuple(s * pace for s in c.speed_key()[:2]) < result.best.speed_key()[:2]]
 
 
 def gin_flags(result: SearchResult, arguments: dict, layout: Optional[Layout] = None) -> str:

@@ -125,6 +125,12 @@ class Candidate:
   plan: roofline.Plan  # figures None: the compiler refused even its small steps
   confirmed: bool = False
   estimate: Optional[roofline.Plan] = None  # of a confirmed layout: what the small compiles said
+  twin_confirmed: bool = False  # a scanned estimate that holds its unrolled twin's full-size figures
+
+  @property
+  def estimated_time(self) -> bool:
+    """Whether its step time is from small compiles, which step_time_calibration corrects."""
+    return not (self.confirmed or self.twin_confirmed) and self.plan.figures is not None
 
   @property
   def fits(self) -> bool:
@@ -141,19 +147,23 @@ class Candidate:
     return self.fits or (not self.confirmed and self.plan.figures is not None
                          and self.plan.figures.hbm_total * memory_scale <= self.plan.hbm_limit)
 
-  def speed_key(self) -> tuple:
+  def seconds(self, pace: float = 1.0) -> tuple:
+    """(overlapped, serial) step time; an estimated one times `pace` (step_time_calibration)."""
+    scale = pace if self.estimated_time else 1.0
+    return (self.plan.overlapped_seconds() * scale, self.plan.serial_seconds() * scale)
+
+  def speed_key(self, pace: float = 1.0) -> tuple:
     """Fastest (collectives overlapped) first, then fastest if they do not overlap (which separates
     compute-bound layouts that the overlapped bound ties); unrolled before its scanned twin. Overlapped bounds
     tie where they agree to the 3 digits the table shows: ALBERT-xxlarge's compute-bound layouts on a
     v5litepod-256 differ below that, and took the first confirmations in the order of those differences,
-    passing over a 3% better serial bound."""
-    seconds = ((float(f"{self.plan.overlapped_seconds():.3g}"), self.plan.serial_seconds()) if self.plan.figures
-               else (math.inf,) * 2)
-    return (*seconds, self.layout.scan_layers, not self.confirmed)
+    passing over a 3% better serial bound. Estimated times are scaled by `pace`."""
+    overlapped, serial = self.seconds(pace) if self.plan.figures else (math.inf,) * 2
+    return (float(f"{overlapped:.3g}"), serial, self.layout.scan_layers, not self.confirmed)
 
-  def rank_key(self) -> tuple:
+  def rank_key(self, pace: float = 1.0) -> tuple:
     """Fitting layouts first, each part by speed_key."""
-    return (not self.fits, *self.speed_key())
+    return (not self.fits, *self.speed_key(pace))
 
 
 @dataclasses.dataclass
@@ -378,9 +388,11 @@ class LayoutSearch:
     for index, candidate in enumerate(ranked):  # a scanned estimate follows its twin's confirmed figures
       twin = unrolled.get(dataclasses.replace(candidate.layout, scan_layers=False))
       if candidate.layout.scan_layers and not candidate.confirmed and twin.confirmed:
-        ranked[index] = Candidate(candidate.layout, dataclasses.replace(twin.plan, scan_layers=True))
-    ranked.sort(key=Candidate.rank_key)
+        ranked[index] = Candidate(candidate.layout, dataclasses.replace(twin.plan, scan_layers=True),
+                                  twin_confirmed=True)
+    rank(ranked)
     self.confirm_other_gelu_gradient(ranked)
+    rank(ranked)
     result = SearchResult(ranked, _best(ranked), considered, self.discarded, self.compiles, time.time() - start,
                           self.stopped_early, config_name(config), run_layout)
     if result.best is None:
@@ -423,7 +435,7 @@ class LayoutSearch:
       confirmed += 1
 
   def confirm_other_gelu_gradient(self, ranked: List[Candidate]) -> None:
-    """Adds to `ranked` (in place, ranked again) the best confirmed unrolled layout compiled at full size with the
+    """Adds to `ranked` (in place, at its end) the best confirmed unrolled layout compiled at full size with the
     GELU's other gradient (layers.GELU_GRADIENTS). Which one plans better depends on the layout, not the chip:
     by formula, BART-large on a v4-128 and XLNet-Large on a v3-512; by autodiff, XLNet-Large on a v4-128 and
     BART-large on a v5litepod-256 (benchmarks/README.md, "Which GELU gradient")."""
@@ -435,7 +447,6 @@ class LayoutSearch:
     layout = dataclasses.replace(best.layout, gelu_gradient=other)
     figures, seconds = self.figures_of(layout, self.config(layout), "full size")
     ranked.append(Candidate(layout, self.plan(layout, figures, seconds), confirmed=True))
-    ranked.sort(key=Candidate.rank_key)
 
   def explore_model_split(self, meshes: List[tuple], floors: dict, first: Optional[Layout] = None) -> List[Candidate]:
     """The fitting layouts that no other fitting one dominates, for meshes of one model size (least fsdp
@@ -558,6 +569,14 @@ def predicted_hbm(state: float, microbatches: int, measured: List[tuple]) -> flo
   return state + activations / microbatches + share * state
 
 
+def rank(candidates: List[Candidate]) -> None:
+  """Sorts the candidates (in place) by Candidate.rank_key, with estimated step times scaled by
+  step_time_calibration: where full compiles took longer than their estimates, a layout estimated a little faster
+  than a confirmed one is not ranked above it."""
+  pace = step_time_calibration(candidates)
+  candidates.sort(key=lambda c: c.rank_key(pace))
+
+
 def memory_calibration(candidates: List[Candidate]) -> float:
   """The least ratio of a confirmed unrolled layout's HBM to its estimate's, or 1 where none was over: how far
   over the estimates of this model on this slice have been seen to run."""
@@ -647,14 +666,18 @@ def search(arguments: dict, topology: str, num_slices: int, confirm: int = DEFAU
 
 
 def table_lines(result: SearchResult) -> List[str]:
-  """The ranked table, then how many layouts were not compiled and why."""
+  """The ranked table (estimated step times ranked as step_time_calibration scales them), then how many layouts
+  were not compiled and why."""
   lines = ["rank | layout | fits: HBM per core (headroom) | step >= overlapped / not | MFU <= | compile | figures"]
+  pace = step_time_calibration(result.candidates)
   for rank, c in enumerate(result.candidates, 1):
     p = c.plan
     source = "confirmed" if c.confirmed else ("estimate (memory as unrolled)" if c.layout.scan_layers else "estimate")
     if c.estimate is not None and c.estimate.figures is not None:
       source += (f" (estimate {c.estimate.figures.hbm_total / roofline.GIB:.2f} GiB, "
                  f"{c.estimate.overlapped_seconds():.3g} s)")
+    if c.estimated_time and pace != 1:
+      source += f", ranked at {c.seconds(pace)[0]:.3g} s ({pace:.2f}x, as full compiles here took)"
     if c.layout == result.run_layout:
       source += "; the run's own layout"
     if p.figures is None:
@@ -696,7 +719,7 @@ def worth_confirming(result: SearchResult) -> List[Candidate]:
     return []
   scale, pace = memory_calibration(result.candidates), step_time_calibration(result.candidates)
   return [c for c in result.candidates if not c.confirmed and not c.layout.scan_layers and c.plan.figures is not None
-          and c.may_fit(scale) and tuple(s * pace for s in c.speed_key()[:2]) < result.best.speed_key()[:2]]
+          and c.may_fit(scale) and c.speed_key(pace)[:2] < result.best.speed_key()[:2]]
 
 
 def gin_flags(result: SearchResult, arguments: dict, layout: Optional[Layout] = None) -> str:

@@ -159,7 +159,7 @@ def made_up_plan(hbm: float, limit: float, times: dict, chip_hbm: Optional[float
   `limit` below `chip_hbm`: compiled under a cap (--hbm_limit_gib)."""
   plan = types.SimpleNamespace(figures=types.SimpleNamespace(hbm_total=hbm, kernel_seconds=0.0), hbm_limit=limit,
                                chip_hbm=chip_hbm or limit, compile_seconds=compile_seconds,
-                               step_seconds=lambda: times)
+                               step_seconds=lambda: times, mfu=lambda seconds: 0.0)
   for method in ("bound", "overlapped_seconds", "serial_seconds"):
     setattr(plan, method, getattr(roofline.Plan, method).__get__(plan))
   for name in ("headroom", "roomy"):
@@ -495,6 +495,14 @@ def test_faster_layouts_left_unconfirmed_that_may_fit_are_named_with_the_command
       sorted([best, also_compiled, over_by_as_much, not_fast_enough, too_big, scanned],
              key=plan_search.Candidate.rank_key), best, 6, {}, 2, 1.0, False, "bert.BertConfig")
   assert plan_search.worth_confirming(result) == [over_by_as_much]
+  # The table ranks estimates as worth_confirming weighs them: among the fitting layouts, 1.1 s at 1.25x after the
+  # best's 1.25 s (by their figures alone, before it).
+  assert result.candidates.index(not_fast_enough) < result.candidates.index(best)
+  ranked = list(result.candidates)
+  plan_search.rank(ranked)
+  assert ranked[:3] == [best, not_fast_enough, also_compiled], [c.layout.label() for c in ranked]
+  row = plan_search.table_lines(dataclasses.replace(result, candidates=ranked))[2]
+  assert row.endswith(" | 1.1 s / 1.1 s | 0.0% | 0 s | estimate, ranked at 1.38 s (1.25x, as full compiles here took)")
   assert plan_search.worth_confirming(dataclasses.replace(result, best=over_by_as_much)) == []  # an estimate
   # Where the full compiles took their estimates' time, the estimate faster than the best is named too.
   as_estimated = candidate(4, 2, 100, 1.25, full_size=70, full_seconds=1.25)

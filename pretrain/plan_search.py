@@ -676,7 +676,7 @@ def table_lines(result: SearchResult) -> List[str]:
     if c.estimate is not None and c.estimate.figures is not None:
       source += (f" (estimate {c.estimate.figures.hbm_total / roofline.GIB:.2f} GiB, "
                  f"{c.estimate.overlapped_seconds():.3g} s)")
-    if c.estimated_time and pace != 1:
+    if c.estimated_time and round(pace, 2) != 1:  # a change the table can show
       source += f", ranked at {c.seconds(pace)[0]:.3g} s ({pace:.2f}x, as full compiles here took)"
     if c.layout == result.run_layout:
       source += "; the run's own layout"

@@ -390,9 +390,9 @@ class LayoutSearch:
       if candidate.layout.scan_layers and not candidate.confirmed and twin.confirmed:
         ranked[index] = Candidate(candidate.layout, dataclasses.replace(twin.plan, scan_layers=True),
                                   twin_confirmed=True)
-    rank(ranked)
+    rank_by_speed(ranked)
     self.confirm_other_gelu_gradient(ranked)
-    rank(ranked)
+    rank_by_speed(ranked)
     result = SearchResult(ranked, _best(ranked), considered, self.discarded, self.compiles, time.time() - start,
                           self.stopped_early, config_name(config), run_layout)
     if result.best is None:
@@ -569,7 +569,7 @@ def predicted_hbm(state: float, microbatches: int, measured: List[tuple]) -> flo
   return state + activations / microbatches + share * state
 
 
-def rank(candidates: List[Candidate]) -> None:
+def rank_by_speed(candidates: List[Candidate]) -> None:
   """Sorts the candidates (in place) by Candidate.rank_key, with estimated step times scaled by
   step_time_calibration: where full compiles took longer than their estimates, a layout estimated a little faster
   than a confirmed one is not ranked above it."""

@@ -499,7 +499,7 @@ def test_faster_layouts_left_unconfirmed_that_may_fit_are_named_with_the_command
   # best's 1.25 s (by their figures alone, before it).
   assert result.candidates.index(not_fast_enough) < result.candidates.index(best)
   ranked = list(result.candidates)
-  plan_search.rank(ranked)
+  plan_search.rank_by_speed(ranked)
   assert ranked[:3] == [best, not_fast_enough, also_compiled], [c.layout.label() for c in ranked]
   row = plan_search.table_lines(dataclasses.replace(result, candidates=ranked))[2]
   assert row.endswith(" | 1.1 s / 1.1 s | 0.0% | 0 s | estimate, ranked at 1.38 s (1.25x, as full compiles here took)")

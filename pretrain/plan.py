@@ -323,8 +323,8 @@ def print_worth_confirming(result, arguments: dict, flags: dict, num_slices: int
     return
   candidates = result.candidates
   memory, pace = plan_search.memory_calibration(candidates), plan_search.step_time_calibration(candidates)
-  seen = [*([f"needed at most {memory:.2f}x their estimated HBM"] if round(memory, 2) < 1 else []),
-          *([f"took at least {pace:.2f}x their estimated step time"] if round(pace, 2) != 1 else [])]
+  seen = [*([f"needed at most {memory:.2f}x their estimated HBM"] if plan_search.calibrated(memory) else []),
+          *([f"took at least {pace:.2f}x their estimated step time"] if plan_search.calibrated(pace) else [])]
   why = f"full compiles here {' and '.join(seen)}" if seen else "by estimate"
   print(f"{len(unconfirmed)} layout(s) not compiled at full size may fit and be faster than the best ({why}): "
         "search with a larger --confirm, or plan each:")

@@ -593,6 +593,11 @@ def step_time_calibration(candidates: List[Candidate]) -> float:
   return min(ratios) if ratios else 1.0
 
 
+def calibrated(ratio: float) -> bool:
+  """Whether a calibration ratio differs from 1 as printed (2 decimals): whether to name it."""
+  return round(ratio, 2) != 1
+
+
 def _compiled_both_ways(candidates: List[Candidate]) -> List[Candidate]:
   """Confirmed layouts with the figures of their estimate and of their full compile. Scanned layouts are left
   out: their estimate is their unrolled twin's."""
@@ -676,7 +681,7 @@ def table_lines(result: SearchResult) -> List[str]:
     if c.estimate is not None and c.estimate.figures is not None:
       source += (f" (estimate {c.estimate.figures.hbm_total / roofline.GIB:.2f} GiB, "
                  f"{c.estimate.overlapped_seconds():.3g} s)")
-    if c.estimated_time and round(pace, 2) != 1:  # a change the table can show
+    if c.estimated_time and calibrated(pace):
       source += f", ranked at {c.seconds(pace)[0]:.3g} s ({pace:.2f}x, as full compiles here took)"
     if c.layout == result.run_layout:
       source += "; the run's own layout"

@@ -8,7 +8,8 @@ report gives the wall time, from the first start's process start to the last rec
 that count (goodput), and each loss by kind; together they add up to the wall time. With --png, a timeline: one row per
 start, a coloured segment per kind (the extra `pip install -e '.[goodput]'` brings matplotlib).
 
-Each start, from its process start to its last record, is split as follows:
+Each start, from its process start (a later start in one process: its train() call) to its last record, is split as
+follows:
   restore/init, compile, saves, evals    the records' own seconds (timed records never overlap);
   input waits                            the logged windows' seconds waiting for input;
   start-up                               the rest of the time before the first step was dispatched;
@@ -17,10 +18,10 @@ Each start, from its process start to its last record, is split as follows:
                        start reached (all of a start's steps when it logged none);
     skipped updates    updates skipped for non-finite gradients;
     goodput            the other steps.
-  between starts       one start's last record to the next start's process start. A start that died without an
-                       `end` record (killed, a lost host) counts its time after its last record here. A start whose
-                       process began before the previous start's last record (train() called again in one
-                       process, as tests and notebooks do) begins at that record. Where the launcher restarted the
+  between starts       one start's last record to the next start's beginning. A start that died without an
+                       `end` record (killed, a lost host) counts its time after its last record here. A start
+                       that began before the previous start's last record (a process, such as a notebook, that
+                       started while the previous start ran) begins at that record. Where the launcher restarted the
                        slice, this time is split by its records:
     detection          from the last record before it to the launcher's decision that the slice was preempted
                        (the run's end reaching the launcher, its second look at a READY slice, the state settling);

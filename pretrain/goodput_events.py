@@ -2,8 +2,9 @@
 
 One JSON object a line: `start` (this start's id, so that restarts are told apart), `kind`, `time` (time.time()
 when it happened or ended) and, where they apply, `seconds` (how long it took) and `step`. Kinds:
-  start       the process started: `time` is the process's start, since its imports, joining the job and reading
-              the task are a start's cost too
+  start       the start began: `time` is the process's start for the first start in a process, since its imports,
+              joining the job and reading the task are a start's cost too; for a later one (train() called again
+              in one process: `make demo`'s second run, a sweep, a notebook) when its train() was called
   init        a fresh state (or one around imported weights) at `step` 0, `seconds`
   restore     a resume from the checkpoint at `step`, `seconds`
   compile     `what` ('train_step', or 'eval_step': its first call), `seconds`; the train step compiles beside the
@@ -41,6 +42,7 @@ from pretrain import goodput
 from pretrain.errors import one_line
 
 _IMPORTED = time.time()
+_process_start_taken = False  # a start in this process has begun at the process's start
 
 
 def process_start_time() -> float:
@@ -55,12 +57,21 @@ def process_start_time() -> float:
   return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-class EventLog:
-  """A start's records. As a context it writes `start` on entry and, if the block raises, `end` 'stopped';
-  the trainer records a normal end. Where not `write` (processes other than 0) nothing is written."""
+def start_time(called_at: float) -> float:
+  """When a start whose train() was called at `called_at` began: the process's start if it is the process's first
+  start; else `called_at`, as the runs before it in this process spent the time since the process's start."""
+  global _process_start_taken
+  first, _process_start_taken = not _process_start_taken, True
+  return process_start_time() if first else called_at
 
-  def __init__(self, model_dir: str, write: bool):
-    self.model_dir, self.write = model_dir, write
+
+class EventLog:
+  """A start's records, of a train() called at `called_at` (time.time()). As a context it writes `start` on entry
+  and, if the block raises, `end` 'stopped'; the trainer records a normal end. Where not `write` (processes other
+  than 0) nothing is written."""
+
+  def __init__(self, model_dir: str, write: bool, called_at: float):
+    self.model_dir, self.write, self.called_at = model_dir, write, called_at
     self.path = str(epath.Path(model_dir) / goodput.FILE_NAME)
     self.start_id = uuid.uuid4().hex[:12]
     self.step = 0  # the step the state was at, or the last logged one: for an `end` the trainer did not record
@@ -69,7 +80,7 @@ class EventLog:
     self._failing = False  # the last write failed: its warning is out
 
   def __enter__(self) -> "EventLog":
-    self.record("start", time=process_start_time())
+    self.record("start", time=start_time(self.called_at))
     return self
 
   def __exit__(self, error_type, error, traceback) -> None:

@@ -116,7 +116,7 @@ def test_a_model_dir_without_records_is_one_line_and_exit_1(tmp_path, capsys):
 
 
 def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_0_writes(tmp_path):
-  events = goodput_events.EventLog(str(tmp_path), write=True)
+  events = goodput_events.EventLog(str(tmp_path), True, time.time())
   with events:
     evaluate = events.compiled_on_first_call(lambda: time.sleep(0.2), "eval_step")
     with events.timed("eval", step=1):
@@ -126,9 +126,8 @@ def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_
   assert [r["kind"] for r in records] == ["start", "compile", "eval"]
   compile_record, eval_record = records[1:]
   assert 0.2 <= compile_record["seconds"] < 0.3 and 0.2 <= eval_record["seconds"] < 0.3
-  assert records[0]["time"] <= time.time() - 1  # the process's start, not the log's
 
-  quiet = goodput_events.EventLog(str(tmp_path / "other"), write=False)
+  quiet = goodput_events.EventLog(str(tmp_path / "other"), False, time.time())
   with pytest.raises(RuntimeError), quiet:
     raise RuntimeError("a fault")
   assert not (tmp_path / "other").exists()
@@ -137,10 +136,23 @@ def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_
   assert goodput.read_records(str(tmp_path))[-1]["how"] == "stopped"
 
 
+def test_a_processs_first_start_begins_at_its_start_and_a_later_one_at_its_train_call(tmp_path, monkeypatch):
+  """`make demo` trains its runs in one process: the second run's start-up is not the first run's time."""
+  monkeypatch.setattr(goodput_events, "_process_start_taken", False)  # as in a new process
+  called_at = time.time()
+  for name in ("first", "later"):
+    (tmp_path / name).mkdir()
+    with goodput_events.EventLog(str(tmp_path / name), True, called_at):
+      pass
+  first, later = (goodput.read_records(str(tmp_path / name))[0]["time"] for name in ("first", "later"))
+  assert first == pytest.approx(goodput_events.process_start_time(), abs=1.0) and first <= called_at - 1
+  assert later == called_at
+
+
 def test_records_append_in_a_bucket_and_read_back(gcs_bucket):
   """On gs:// an object cannot be appended to: each record rewrites it, and none is lost."""
   model_dir = f"{gcs_bucket}/goodput_run"
-  with goodput_events.EventLog(model_dir, write=True) as events:
+  with goodput_events.EventLog(model_dir, True, time.time()) as events:
     events.state_ready(1.0, 0, 0)
     events.record("end", how="finished", step=0)
   assert [r["kind"] for r in goodput.read_records(model_dir)] == ["start", "init", "end"]

@@ -25,6 +25,7 @@ LEASE_FILE = "RUNNING"
 # A heartbeat rewrites the lease in place, so a reader may catch it half-written: it reads again before it
 # takes the file as unreadable (held, by nobody it can name).
 _READ_ATTEMPTS = 5
+_REREAD_AFTER_SECONDS = 0.1
 
 
 def _alive_here(holder: dict) -> bool:
@@ -62,7 +63,7 @@ class Lease:
           return json.loads(self.path.read_text())
         except (ValueError, OSError):
           if attempt + 1 < _READ_ATTEMPTS:  # read while the holder's heartbeat rewrote it: read again
-            time.sleep(0.1)
+            time.sleep(_REREAD_AFTER_SECONDS)
       return {"heartbeat": self.path.stat().mtime}
     except FileNotFoundError:  # released between the checks: another process's run ended
       return None

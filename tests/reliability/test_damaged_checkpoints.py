@@ -1,6 +1,7 @@
 """A damaged newest checkpoint is caught at restore, named, set aside, and the run resumes from the newest
 intact one; with none intact it stops, moving nothing. A save killed part-way is never loaded and its
 leftovers are removed with a line that names them."""
+import concurrent.futures
 import gc
 import os
 import shutil
@@ -116,11 +117,11 @@ def test_a_save_killed_part_way_is_never_loaded_and_its_leftovers_are_removed(tm
 
   from data_pipelines.input_pipeline import ShardIterators
   abstract = {"weights": jax.ShapeDtypeStruct((2**12, 2**13), jnp.float32), "step": jax.ShapeDtypeStruct((), jnp.int32)}
-  leftovers = 0
-  for delay in (0.0, 0.2, 0.5):
-    model_dir = tmp_path / f"killed_after_{delay}"
-    saving = subprocess.Popen([sys.executable, "-c", SAVE_IN_A_LOOP, str(model_dir)], cwd=ROOT,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+  delays = (0.0, 0.2, 0.5)
+
+  def kill_part_way(delay: float) -> None:
+    saving = subprocess.Popen([sys.executable, "-c", SAVE_IN_A_LOOP, str(tmp_path / f"killed_after_{delay}")],
+                              cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
     for line in saving.stdout:
       if line.startswith("saving 2"):
@@ -128,6 +129,12 @@ def test_a_save_killed_part_way_is_never_loaded_and_its_leftovers_are_removed(tm
         saving.send_signal(signal.SIGKILL)
         break
     saving.wait()
+
+  with concurrent.futures.ThreadPoolExecutor(len(delays)) as pool:  # their start-ups side by side
+    list(pool.map(kill_part_way, delays))
+  leftovers = 0
+  for delay in delays:
+    model_dir = tmp_path / f"killed_after_{delay}"
     unfinished = checkpoints.unfinished_saves(model_dir)
     leftovers += len(unfinished)
     manager = checkpoints.make_manager(model_dir)

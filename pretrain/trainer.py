@@ -224,7 +224,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   directory.mkdir(parents=True, exist_ok=True)
   with (lease.held(model_dir, jax.process_index() == 0) as took_over, partitioning.tracing_context(mesh, setup.rules),
         profiler, compilation_cache.used(compilation_cache_dir, model_dir) as compiles,
-        goodput_events.EventLog(model_dir, jax.process_index() == 0, called_at) as events):
+        goodput_events.EventLog(model_dir, write=jax.process_index() == 0, called_at=called_at) as events):
     run_files.keep_vocabulary(model_dir, data.vocabulary.sentencepiece_model_file, write=jax.process_index() == 0)
     run_config = run_files.RunConfig(family, mixture_or_task_name, task_feature_lengths, batch_size)
     unfinished = checkpoints.unfinished_saves(model_dir)

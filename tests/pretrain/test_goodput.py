@@ -116,7 +116,7 @@ def test_a_model_dir_without_records_is_one_line_and_exit_1(tmp_path, capsys):
 
 
 def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_0_writes(tmp_path):
-  events = goodput_events.EventLog(str(tmp_path), True, time.time())
+  events = goodput_events.EventLog(str(tmp_path), write=True, called_at=time.time())
   with events:
     evaluate = events.compiled_on_first_call(lambda: time.sleep(0.2), "eval_step")
     with events.timed("eval", step=1):
@@ -127,7 +127,7 @@ def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_
   compile_record, eval_record = records[1:]
   assert 0.2 <= compile_record["seconds"] < 0.3 and 0.2 <= eval_record["seconds"] < 0.3
 
-  quiet = goodput_events.EventLog(str(tmp_path / "other"), False, time.time())
+  quiet = goodput_events.EventLog(str(tmp_path / "other"), write=False, called_at=time.time())
   with pytest.raises(RuntimeError), quiet:
     raise RuntimeError("a fault")
   assert not (tmp_path / "other").exists()
@@ -142,7 +142,7 @@ def test_a_processs_first_start_begins_at_its_start_and_a_later_one_at_its_train
   called_at = time.time()
   for name in ("first", "later"):
     (tmp_path / name).mkdir()
-    with goodput_events.EventLog(str(tmp_path / name), True, called_at):
+    with goodput_events.EventLog(str(tmp_path / name), write=True, called_at=called_at):
       pass
   first, later = (goodput.read_records(str(tmp_path / name))[0]["time"] for name in ("first", "later"))
   assert first == pytest.approx(goodput_events.process_start_time(), abs=1.0) and first <= called_at - 1
@@ -152,7 +152,7 @@ def test_a_processs_first_start_begins_at_its_start_and_a_later_one_at_its_train
 def test_records_append_in_a_bucket_and_read_back(gcs_bucket):
   """On gs:// an object cannot be appended to: each record rewrites it, and none is lost."""
   model_dir = f"{gcs_bucket}/goodput_run"
-  with goodput_events.EventLog(model_dir, True, time.time()) as events:
+  with goodput_events.EventLog(model_dir, write=True, called_at=time.time()) as events:
     events.state_ready(1.0, 0, 0)
     events.record("end", how="finished", step=0)
   assert [r["kind"] for r in goodput.read_records(model_dir)] == ["start", "init", "end"]

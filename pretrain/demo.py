@@ -28,8 +28,9 @@ def main(argv=None) -> None:
   import gin
 
   from data_pipelines import demo_corpus
-  from pretrain import cli, trainer
+  from pretrain import cli, goodput_events, trainer
 
+  goodput_events.launched_to_train()
   started = time.time()
   paths = demo_corpus.ensure_demo_corpus()
   print(f"demo corpus: {paths['train']} ({os.path.getsize(paths['train']) / 1e6:.1f} MB), "

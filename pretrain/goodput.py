@@ -8,8 +8,8 @@ report gives the wall time, from the first start's process start to the last rec
 that count (goodput), and each loss by kind; together they add up to the wall time. With --png, a timeline: one row per
 start, a coloured segment per kind (the extra `pip install -e '.[goodput]'` brings matplotlib).
 
-Each start, from its process start (a later start in one process: its train() call) to its last record, is split as
-follows:
+Each start, from its process start (a later start in one process, or train() called from a notebook: its train()
+call) to its last record, is split as follows:
   restore/init, compile, saves, evals    the records' own seconds (timed records never overlap);
   input waits                            the logged windows' seconds waiting for input;
   start-up                               the rest of the time before the first step was dispatched;

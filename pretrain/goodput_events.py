@@ -2,9 +2,10 @@
 
 One JSON object a line: `start` (this start's id, so that restarts are told apart), `kind`, `time` (time.time()
 when it happened or ended) and, where they apply, `seconds` (how long it took) and `step`. Kinds:
-  start       the start began: `time` is the process's start for the first start in a process, since its imports,
-              joining the job and reading the task are a start's cost too; for a later one (train() called again
-              in one process: `make demo`'s second run, a sweep, a notebook) when its train() was called
+  start       the start began: `time` is the process's start for the first start of a command launched to train
+              (`pretrain.train`, `pretrain.demo`: `launched_to_train`), since its imports, joining the job and
+              reading the task are a start's cost too; otherwise (a later run in that process, such as `make
+              demo`'s second, or train() called from a notebook or a script) when its train() was called
   init        a fresh state (or one around imported weights) at `step` 0, `seconds`
   restore     a resume from the checkpoint at `step`, `seconds`
   compile     `what` ('train_step', or 'eval_step': its first call), `seconds`; the train step compiles beside the
@@ -42,7 +43,7 @@ from pretrain import goodput
 from pretrain.errors import one_line
 
 _IMPORTED = time.time()
-_process_start_taken = False  # a start in this process has begun at the process's start
+_process_start_unclaimed = False  # set by a command launched to train, until its first start takes it
 
 
 def process_start_time() -> float:
@@ -57,11 +58,18 @@ def process_start_time() -> float:
   return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
+def launched_to_train() -> None:
+  """Says that this process was launched to train: its first start began at the process's start. Without it a
+  start begins at its train() call, so that a notebook's idle time or a script's other work is not start-up."""
+  global _process_start_unclaimed
+  _process_start_unclaimed = True
+
+
 def start_time(called_at: float) -> float:
-  """When a start whose train() was called at `called_at` began: the process's start if it is the process's first
-  start; else `called_at`, as the runs before it in this process spent the time since the process's start."""
-  global _process_start_taken
-  first, _process_start_taken = not _process_start_taken, True
+  """When a start whose train() was called at `called_at` began: the process's start for the first start of a
+  process launched to train; else `called_at`."""
+  global _process_start_unclaimed
+  first, _process_start_unclaimed = _process_start_unclaimed, False
   return process_start_time() if first else called_at
 
 

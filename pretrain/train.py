@@ -23,7 +23,8 @@ def main(argv) -> None:
   cli.parse_gin(files, bindings)
   import jax
 
-  from pretrain import trainer  # after gin parsing: imports are slow, errors above are not
+  from pretrain import goodput_events, trainer  # after gin parsing: imports are slow, errors above are not
+  goodput_events.launched_to_train()
   summary = trainer.train(**cli.bound_arguments(trainer.train))
   if jax.process_index() == 0 and not summary["preempted"]:
     print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "

@@ -136,17 +136,24 @@ def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_
   assert goodput.read_records(str(tmp_path))[-1]["how"] == "stopped"
 
 
-def test_a_processs_first_start_begins_at_its_start_and_a_later_one_at_its_train_call(tmp_path, monkeypatch):
-  """`make demo` trains its runs in one process: the second run's start-up is not the first run's time."""
-  monkeypatch.setattr(goodput_events, "_process_start_taken", False)  # as in a new process
+def test_a_launched_processs_first_start_begins_at_its_start_and_other_starts_at_their_train_call(tmp_path,
+                                                                                                    monkeypatch):
+  """`make demo` trains its runs in one process: the second run's start-up is not the first run's time. A notebook
+  that calls train() was not launched to train: its idle time before the call is not start-up either."""
+  monkeypatch.setattr(goodput_events, "_process_start_unclaimed", False)  # as in a new process
   called_at = time.time()
-  for name in ("first", "later"):
+
+  def start_of(name: str) -> float:
     (tmp_path / name).mkdir()
     with goodput_events.EventLog(str(tmp_path / name), write=True, called_at=called_at):
       pass
-  first, later = (goodput.read_records(str(tmp_path / name))[0]["time"] for name in ("first", "later"))
+    return goodput.read_records(str(tmp_path / name))[0]["time"]
+
+  assert start_of("notebook") == called_at
+  goodput_events.launched_to_train()
+  first = start_of("first")
   assert first == pytest.approx(goodput_events.process_start_time(), abs=1.0) and first <= called_at - 1
-  assert later == called_at
+  assert start_of("later") == called_at
 
 
 def test_records_append_in_a_bucket_and_read_back(gcs_bucket):

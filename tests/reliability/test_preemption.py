@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import SMALL_BERT, logged_losses, small_bert_flags, start_module, train
-from pretrain import goodput, goodput_events, signals, trainer
+from pretrain import goodput, signals, trainer
 from pretrain.errors import Interrupted
 
 pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
@@ -40,7 +40,7 @@ def start_then_interrupt(model_dir, after_step: int):
   return run.returncode, output
 
 
-def test_ctrl_c_saves_the_step_reached_as_a_preemption_and_the_restart_loses_nothing(tmp_path, monkeypatch):
+def test_ctrl_c_saves_the_step_reached_as_a_preemption_and_the_restart_loses_nothing(tmp_path):
   preempted = tmp_path / "preempted"
   launched = time.time()
   code, output = start_then_interrupt(preempted, after_step=3)
@@ -52,8 +52,7 @@ def test_ctrl_c_saves_the_step_reached_as_a_preemption_and_the_restart_loses_not
   assert f"preempted: saved a checkpoint at step {step}" in output
   assert max(logged_losses(preempted)) == step  # it stopped at the step it saved
 
-  monkeypatch.setattr(goodput_events, "_process_start_taken", True)  # this process trained before: the resume's
-  resumed_at = time.time()  # start begins at its train() call
+  resumed_at = time.time()  # train() called in-process: the resume's start begins at the call
   resumed = train("bert_tiny_demo", preempted, step + 3, SMALL_BERT + SCHEDULE)
   assert resumed["steps"] == step + 3 and not resumed["preempted"]
   straight = tmp_path / "straight"

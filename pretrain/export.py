@@ -192,7 +192,7 @@ def export(model_dir: str, output_dir: str, step: Optional[int] = None, dtype: s
       worst = max(diffs, key=diffs.get)
       if diffs[worst] > TOLERANCE:
         raise ConfigError(f"exported {ckpt.spec.hf_class} disagrees with the checkpoint: max |{worst} difference| "
-                         f"= {diffs[worst]:.2e} > {TOLERANCE}")
+                          f"= {diffs[worst]:.2e} > {TOLERANCE}")
   return {"step": ckpt.step, "family": ckpt.spec.name, "output_dir": str(out), "max_logit_diff": diffs}
 
 

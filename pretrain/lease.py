@@ -77,7 +77,7 @@ class Lease:
       who = f"host {held.get('host', '?')}, pid {held.get('pid', '?')}"
       if age < self.stale_seconds and _alive_here(held):
         raise ConfigError(f"{self.path.parent} is in use by another run ({who}, last heartbeat {age:.0f} s ago): "
-                           f"stop that run, or wait {self.stale_seconds:.0f} s if it has died")
+                          f"stop that run, or wait {self.stale_seconds:.0f} s if it has died")
       note = f"took over the lease of {self.path.parent} from a run that stopped without releasing it ({who})"
     self._beat()
     if self.holder().get("token") != self._record["token"]:  # another run wrote in between

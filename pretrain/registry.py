@@ -161,4 +161,4 @@ def from_hf_config(hf_config: Mapping) -> FamilySpec:
     if model_type == spec.hf_model_type or spec.hf_class in architectures:
       return spec
   raise ConfigError(f"config.json model_type={model_type!r}, architectures={architectures}: not one of "
-                   f"{sorted(spec.hf_model_type for spec in FAMILIES.values())}")
+                    f"{sorted(spec.hf_model_type for spec in FAMILIES.values())}")

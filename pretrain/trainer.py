@@ -281,7 +281,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     eval_fn = events.compiled_on_first_call(steps.jit_eval_step(setup), "eval_step")
     num_params = sum(x.size for x in jax.tree.leaves(state.params))
     say(f"{family.name}: {num_params / 1e6:.2f}M parameters, mesh {dict(mesh.shape)}, "
-                   f"global batch {batch_size}, {jax.process_count()} process(es)")
+        f"global batch {batch_size}, {jax.process_count()} process(es)")
 
     losses, step, preempted = [], int(state.step), False
     batch = None
@@ -351,7 +351,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       saver.finish(step, state)
     if preempted:
       say(f"preempted: saved a checkpoint at step {step} in {checkpoints.checkpoint_dir(model_dir)}; "
-                     "the same command resumes there")
+          "the same command resumes there")
     events.record("end", how="preempted" if preempted else "finished", step=step)
   writer.close()
   return {"first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,

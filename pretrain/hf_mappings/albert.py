@@ -53,7 +53,7 @@ def hf_config(config: AlbertConfig) -> dict:
 def config_from_hf(hf: dict) -> AlbertConfig:
   if hf.get("num_hidden_groups", 1) != 1 or hf.get("inner_group_num", 1) != 1:
     raise ConfigError(f"num_hidden_groups={hf.get('num_hidden_groups')}, inner_group_num={hf.get('inner_group_num')}: "
-                     "only one shared layer (1, 1) is supported")
+                      "only one shared layer (1, 1) is supported")
   act = hf.get("hidden_act", "gelu_new")
   if act not in GELU_NAMES:
     raise ConfigError(f"hidden_act={act!r}: expected one of {sorted(GELU_NAMES)}")

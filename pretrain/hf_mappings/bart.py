@@ -85,7 +85,7 @@ def config_from_hf(hf: dict) -> BartConfig:
                                            "ffn_dim": ("encoder_ffn_dim", "decoder_ffn_dim")}.items():
     if hf[encoder_key] != hf[decoder_key]:
       raise ConfigError(f"{encoder_key}={hf[encoder_key]} differs from {decoder_key}={hf[decoder_key]}: "
-                       f"BartConfig has one {ours}")
+                        f"BartConfig has one {ours}")
   if hf.get("activation_function", "gelu") != "gelu":
     raise ConfigError(f"activation_function={hf['activation_function']!r}: only 'gelu' is supported")
   return BartConfig(

@@ -36,7 +36,7 @@ def rules(config: XLNetConfig) -> list:
 def hf_config(config: XLNetConfig) -> dict:
   if config.d_head * config.n_head != config.d_model:
     raise ConfigError(f"d_head={config.d_head}: HuggingFace XLNet needs d_head = d_model // n_head "
-                     f"({config.d_model} // {config.n_head})")
+                      f"({config.d_model} // {config.n_head})")
   return dict(
       model_type="xlnet", architectures=[HF_CLASS], vocab_size=config.vocab_size, d_model=config.d_model,
       n_layer=config.n_layer, n_head=config.n_head, d_head=config.d_head, d_inner=config.d_inner,

@@ -23,8 +23,7 @@ def main(argv) -> None:
   cli.parse_gin(files, bindings)
   import jax
 
-  from pretrain import goodput_events, trainer  # after gin parsing: imports are slow, errors above are not
-  goodput_events.launched_to_train()
+  from pretrain import trainer  # after gin parsing: imports are slow, errors above are not
   summary = trainer.train(**cli.bound_arguments(trainer.train))
   if jax.process_index() == 0 and not summary["preempted"]:
     print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
@@ -40,5 +39,7 @@ def _goodput(shares) -> str:
 
 if __name__ == "__main__":
   cli.start(sys.argv, HELP)
+  from pretrain import goodput_events
+  goodput_events.launched_to_train()
   distributed.initialize()
   cli.run("pretrain.train", lambda: main(sys.argv))

@@ -30,7 +30,7 @@ def main(argv=None) -> None:
   from data_pipelines import demo_corpus
   from pretrain import cli, goodput_events, trainer
 
-  goodput_events.launched_to_train()  # the first run's start-up holds this process's
+  goodput_events.launched_to_train()  # the first run's start-up includes the imports and the demo corpus
   started = time.time()
   paths = demo_corpus.ensure_demo_corpus()
   print(f"demo corpus: {paths['train']} ({os.path.getsize(paths['train']) / 1e6:.1f} MB), "

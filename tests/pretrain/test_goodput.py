@@ -136,8 +136,7 @@ def test_timed_records_leave_out_what_was_recorded_inside_them_and_only_process_
   assert goodput.read_records(str(tmp_path))[-1]["how"] == "stopped"
 
 
-def test_a_launched_processs_first_start_begins_at_its_start_and_other_starts_at_their_train_call(tmp_path,
-                                                                                                    monkeypatch):
+def test_only_a_process_launched_to_train_begins_its_first_start_at_the_process_start(tmp_path, monkeypatch):
   """`make demo` trains its runs in one process: the second run's start-up is not the first run's time. A notebook
   that calls train() was not launched to train: its idle time before the call is not start-up either."""
   monkeypatch.setattr(goodput_events, "_process_start_unclaimed", False)  # as in a new process

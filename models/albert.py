@@ -46,8 +46,7 @@ class AlbertConfig:
     if self.scan_layers and self.share not in WHOLE_LAYER_SHARE_MODES:
       raise ValueError(f"scan_layers=True needs share in {WHOLE_LAYER_SHARE_MODES}, got share={self.share!r} "
                        "(sharing one sublayer mixes shared and per-layer weights in a layer)")
-    if self.hidden_size % self.num_heads:
-      raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+    layers.check_heads_divide("hidden_size", self.hidden_size, self.num_heads)
 
   @property
   def head_dim(self) -> int:

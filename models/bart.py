@@ -42,8 +42,7 @@ class BartConfig:
   gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
 
   def __post_init__(self):
-    if self.d_model % self.num_heads:
-      raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+    layers.check_heads_divide("d_model", self.d_model, self.num_heads)
 
   @property
   def head_dim(self) -> int:

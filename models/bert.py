@@ -28,6 +28,9 @@ class BertConfig:
   dropout_masks: str = "auto"  # dropout.DROPOUT_MASKS; 'auto': the chip's cheaper one
   gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
 
+  def __post_init__(self):
+    layers.check_heads_divide("hidden_size", self.hidden_size, self.num_heads)
+
   @property
   def head_dim(self) -> int:
     return self.hidden_size // self.num_heads

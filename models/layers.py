@@ -168,6 +168,13 @@ def embedding(num: int, features: int, axes: Sequence[str], dtype: Dtype, name: 
   )
 
 
+def check_heads_divide(width_name: str, width: int, num_heads: int) -> None:
+  """Each head gets width // num_heads: where that leaves a remainder, the attention would project to fewer
+  features than the model's width and train on silently, so it is a configuration error."""
+  if width % num_heads:
+    raise ValueError(f"{width_name}={width} is not divisible by num_heads={num_heads}")
+
+
 def check_sequence_length(length: int, max_position_embeddings: int) -> None:
   """Learned positions stop at the table's end: a longer sequence is a configuration error (an
   embedding lookup past the table would give NaN, not an error)."""

@@ -119,6 +119,19 @@ def test_a_batch_size_that_does_not_split_evenly_is_named(args, message, tmp_pat
   assert code == 1 and last.startswith(ERROR + message), last
 
 
+@pytest.mark.parametrize("args, message", [
+    ([BERT_RUN, "--gin.bert.BertConfig.num_heads=3"], "hidden_size=128 is not divisible by num_heads=3"),
+    (["--gin_file=gin_configs/runs/albert_tiny_demo.gin", "--gin.albert.AlbertConfig.num_heads=3"],
+     "hidden_size=128 is not divisible by num_heads=3"),
+    ([BART_RUN, "--gin.bart.BartConfig.num_heads=3"], "d_model=128 is not divisible by num_heads=3"),
+], ids=["bert", "albert", "bart"])
+def test_heads_that_do_not_split_the_models_width_are_named(args, message, tmp_path, capsys):
+  """Each head would get 128 // 3 = 42 features: 126 of the 128 would train on, silently."""
+  code, last = run_train(capsys, tmp_path, *args, "--gin.TRAIN_STEPS=1")  # a step at most, were it not refused
+  assert code == 1 and last == ERROR + message, last
+  assert not (tmp_path / "checkpoints").exists()
+
+
 @pytest.mark.slow  # a process of its own, for two devices
 def test_a_batch_size_the_data_parallel_groups_do_not_divide_is_named(tmp_path):
   result = run_module("pretrain.train", BERT_RUN, f"--gin.MODEL_DIR='{tmp_path}'", "--gin.MESH_SHAPE={'data': 2}",

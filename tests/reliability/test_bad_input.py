@@ -126,7 +126,7 @@ def test_a_batch_size_that_does_not_split_evenly_is_named(args, message, tmp_pat
     ([BART_RUN, "--gin.bart.BartConfig.num_heads=3"], "d_model=128 is not divisible by num_heads=3"),
 ], ids=["bert", "albert", "bart"])
 def test_heads_that_do_not_split_the_models_width_are_named(args, message, tmp_path, capsys):
-  """Each head would get 128 // 3 = 42 features: 126 of the 128 would train on, silently."""
+  """Each head would get 128 // 3 = 42 features, so attention would use 126 of the 128, silently."""
   code, last = run_train(capsys, tmp_path, *args, "--gin.TRAIN_STEPS=1")  # a step at most, were it not refused
   assert code == 1 and last == ERROR + message, last
   assert not (tmp_path / "checkpoints").exists()

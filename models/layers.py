@@ -170,7 +170,10 @@ def embedding(num: int, features: int, axes: Sequence[str], dtype: Dtype, name: 
 
 def check_heads_divide(width_name: str, width: int, num_heads: int) -> None:
   """Each head gets width // num_heads: where that leaves a remainder, the attention would project to fewer
-  features than the model's width and train on silently, so it is a configuration error."""
+  features than the model's width and train on silently, so it is a configuration error; so are no heads, which
+  would stop the run in a division by zero."""
+  if num_heads < 1:
+    raise ValueError(f"num_heads={num_heads}: must be at least 1")
   if width % num_heads:
     raise ValueError(f"{width_name}={width} is not divisible by num_heads={num_heads}")
 

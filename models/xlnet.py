@@ -72,6 +72,8 @@ class XLNetConfig:
                        f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if self.attn_type != "bi":
       raise ValueError(f"attn_type={self.attn_type!r}: only 'bi' (XLNet pretraining's attention) is supported")
+    if self.n_head < 1 or self.d_head < 1:
+      raise ValueError(f"n_head={self.n_head}, d_head={self.d_head}: must be at least 1")
     if self.mem_len < 0 or (self.reuse_len or 0) < 0:
       raise ValueError(f"mem_len={self.mem_len}, reuse_len={self.reuse_len}: must be >= 0")
 

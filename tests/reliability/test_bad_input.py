@@ -124,9 +124,12 @@ def test_a_batch_size_that_does_not_split_evenly_is_named(args, message, tmp_pat
     (["--gin_file=gin_configs/runs/albert_tiny_demo.gin", "--gin.albert.AlbertConfig.num_heads=3"],
      "hidden_size=128 is not divisible by num_heads=3"),
     ([BART_RUN, "--gin.bart.BartConfig.num_heads=3"], "d_model=128 is not divisible by num_heads=3"),
-], ids=["bert", "albert", "bart"])
-def test_heads_that_do_not_split_the_models_width_are_named(args, message, tmp_path, capsys):
-  """Each head would get 128 // 3 = 42 features, so attention would use 126 of the 128, silently."""
+    ([BERT_RUN, "--gin.bert.BertConfig.num_heads=0"], "num_heads=0: must be at least 1"),
+    ([XLNET_RUN, "--gin.xlnet.XLNetConfig.n_head=0"], "n_head=0, d_head=64: must be at least 1"),
+], ids=["bert", "albert", "bart", "no heads", "xlnet no heads"])
+def test_head_counts_the_model_cannot_use_are_named(args, message, tmp_path, capsys):
+  """Each head would get 128 // 3 = 42 features, so attention would use 126 of the 128, silently. No heads at
+  all stopped the run with a traceback of a division by zero."""
   code, last = run_train(capsys, tmp_path, *args, "--gin.TRAIN_STEPS=1")  # a step at most, were it not refused
   assert code == 1 and last == ERROR + message, last
   assert not (tmp_path / "checkpoints").exists()

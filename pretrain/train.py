@@ -39,7 +39,7 @@ def _goodput(shares) -> str:
 
 if __name__ == "__main__":
   cli.start(sys.argv, HELP)
-  from pretrain import goodput_events
+  from pretrain import goodput_events  # after cli.start: it imports TensorFlow
   goodput_events.launched_to_train()
   distributed.initialize()
   cli.run("pretrain.train", lambda: main(sys.argv))

@@ -35,7 +35,12 @@ def kernel_times(xplane_path: str, module: Optional[str] = None) -> Dict[str, Ke
   over its events: the device planes' on an accelerator, the host's XLA thunks on the CPU. `module`
   keeps only the program of that name (`module_name`) and the kernels that name no program."""
   from jax.profiler import ProfileData
-  data = ProfileData.from_file(xplane_path)
+  with open(xplane_path, "rb") as f:
+    serialized = f.read()
+  try:
+    data = ProfileData.from_serialized_xspace(serialized)
+  except RuntimeError as e:  # the parser's only word on a file that is not an XSpace
+    raise ValueError(f"{xplane_path}: not a jax.profiler trace (an .xplane.pb file): {e}") from None
   planes = [p for p in data.planes if p.name.startswith("/device:") and "CUSTOM" not in p.name]
   on_host = not any(_has_kernels(p) for p in planes)
   if on_host:
@@ -137,13 +142,13 @@ def main(argv: Iterable[str]) -> int:
   args = parser.parse_args(list(argv))
   try:
     program = open(args.hlo).read() if args.hlo else None
-    module = module_name(program) if program else None
+    try:
+      module = module_name(program) if program else None
+    except ValueError as e:
+      raise ValueError(f"{args.hlo}: {e}") from None
     times = kernel_times(args.trace, module)
-  except OSError as e:
+  except (OSError, ValueError) as e:
     print(f"pretrain.op_profile: error: {e}", file=sys.stderr)
-    return 1
-  except ValueError as e:  # --hlo is not a program's text
-    print(f"pretrain.op_profile: error: {args.hlo}: {e}", file=sys.stderr)
     return 1
   if not times:
     print(f"pretrain.op_profile: error: {args.trace} holds no kernel events"

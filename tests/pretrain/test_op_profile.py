@@ -67,7 +67,7 @@ def test_the_steps_kernels_are_summed_by_source_with_layers_folded(traced):
   assert f"device time per step {total_ms:.1f} ms" in report and "% of the 1000.0 ms step" in report
 
 
-def test_the_command_reports_a_trace_and_refuses_a_file_that_is_no_program(traced, tmp_path):
+def test_the_command_reports_a_trace_and_refuses_files_that_are_no_trace_or_program(traced, tmp_path):
   trace, program = traced
   hlo = tmp_path / "step.hlo.txt"
   hlo.write_text(program)
@@ -80,3 +80,12 @@ def test_the_command_reports_a_trace_and_refuses_a_file_that_is_no_program(trace
   assert done.returncode == 1 and done.stdout == ""
   assert done.stderr.strip().splitlines() == [f"pretrain.op_profile: error: {not_hlo}: not an HLO module's text: "
                                               "it does not begin with 'HloModule NAME'"]
+  done = run_here("pretrain.op_profile", str(not_hlo))
+  assert done.returncode == 1 and done.stdout == ""
+  assert done.stderr.strip().splitlines() == [f"pretrain.op_profile: error: {not_hlo}: not a jax.profiler trace "
+                                              "(an .xplane.pb file): Failed to parse XSpace from array"]
+  missing = tmp_path / "missing.xplane.pb"
+  done = run_here("pretrain.op_profile", str(missing))
+  assert done.returncode == 1 and done.stdout == ""
+  assert done.stderr.strip().splitlines() == [f"pretrain.op_profile: error: [Errno 2] No such file or directory: "
+                                              f"'{missing}'"]

@@ -74,17 +74,12 @@ def print_examples(task_name: str, split: str, num_examples: int, output_format:
         print(describe(name, np.asarray(value), vocabulary, schema))
 
 
-def main(argv):
-  if len(argv) > 1:
-    sys.exit(f"preview: error: unexpected arguments {argv[1:]}")
-  try:
-    if not FLAGS.task:
-      raise ValueError("--task is required, e.g. --task=demo_bert_mlm_nsp")
-    lengths = parse_feature_lengths(FLAGS.feature_lengths) if FLAGS.feature_lengths else None
-    print_examples(FLAGS.task, FLAGS.split, FLAGS.num_examples, FLAGS.format, FLAGS.seed, lengths)
-  except (ValueError, FileNotFoundError) as error:  # bad flags, an unknown task, a missing file: one line
-    sys.exit(f"preview: error: {str(error).strip().splitlines()[0]}")
+def main():
+  if not FLAGS.task:
+    raise ValueError("--task is required, e.g. --task=demo_bert_mlm_nsp")
+  lengths = parse_feature_lengths(FLAGS.feature_lengths) if FLAGS.feature_lengths else None
+  print_examples(FLAGS.task, FLAGS.split, FLAGS.num_examples, FLAGS.format, FLAGS.seed, lengths)
 
 
 if __name__ == "__main__":
-  startup.run_absl(main)
+  startup.run_program(main, "preview")

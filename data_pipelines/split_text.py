@@ -9,8 +9,6 @@ OUTPUT_DIR/part-<i>-of-<N>.txt (local or gs://): consecutive documents in input 
 """
 from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
 
-import sys
-
 from absl import flags
 
 from data_pipelines import storage
@@ -44,7 +42,8 @@ def documents(paths):
 
 
 def split_text(pattern: str, output_dir: str, num_files: int) -> int:
-  """Writes the parts; returns how many it wrote (fewer than num_files only if documents run out)."""
+  """Writes the parts; returns how many it wrote (fewer than num_files only if documents run out, and then
+  their names count the parts written)."""
   if num_files < 1:
     raise ValueError(f"--num_files={num_files}: must be >= 1")
   paths = sorted(storage.glob(pattern))
@@ -66,25 +65,25 @@ def split_text(pattern: str, output_dir: str, num_files: int) -> int:
       out.write(b"\n")
     out.write(b"".join(lines))
     read_before = read
-  if out is not None:
-    out.close()
-  return index + 1 if out is not None else 0
+  if out is None:
+    return 0
+  out.close()
+  written = index + 1
+  if written < num_files:  # documents ran out: the names say how many parts there are
+    for i in range(written):
+      storage.rename(part_path(output_dir, i, num_files), part_path(output_dir, i, written))
+  return written
 
 
-def main(argv):
-  if len(argv) > 1:
-    sys.exit(f"split_text: error: unexpected arguments {argv[1:]}")
+def main():
   for name in ("input", "output_dir", "num_files"):
     if FLAGS[name].value is None:
-      sys.exit(f"split_text: error: --{name} is required")
-  try:
-    parts = split_text(FLAGS.input, FLAGS.output_dir, FLAGS.num_files)
-  except (ValueError, FileNotFoundError) as error:
-    sys.exit(f"split_text: error: {error}")
+      raise ValueError(f"--{name} is required")
+  parts = split_text(FLAGS.input, FLAGS.output_dir, FLAGS.num_files)
   if parts < FLAGS.num_files:
     print(f"warning: the corpus has too few documents for {FLAGS.num_files} files: wrote {parts}")
   print(f"wrote {parts} files to {FLAGS.output_dir}")
 
 
 if __name__ == "__main__":
-  startup.run_absl(main)
+  startup.run_program(main, "split_text")

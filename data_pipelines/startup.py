@@ -32,7 +32,8 @@ it for the gin programs); importing it does the following, once per process:
 
 `POD_PRETRAIN_DEBUG=1` keeps every line TensorFlow writes while it starts.
 
-`run_absl(main)` is absl's `app.run(main)` with a `--help` that exits 0.
+`run_absl(main)` is absl's `app.run(main)` with a `--help` that exits 0; `run_program(main, program)` runs a
+data program with it, and what the user caused ends the program with one line.
 """
 import contextlib
 import glob
@@ -124,6 +125,33 @@ def run_absl(main) -> None:
     app.usage(shorthelp=True, writeto_stdout=True)
     sys.exit(0)
   app.run(main)
+
+
+def run_program(main, program: str) -> None:
+  """`run_absl` of a data program's `main()` (every input is a flag): what the user caused ends it with one
+  line, `PROGRAM: error: MESSAGE`, and exit code 1. That is an argument that is not a flag, a ValueError (a
+  setting's value, an unknown task), or a path that is missing, not a directory or not writable (OSError,
+  or TensorFlow's file system's errors). Anything else is a bug, and keeps its traceback, as does
+  everything with POD_PRETRAIN_DEBUG=1. The programs print their own progress, so the libraries' INFO logs
+  (seqio's "TaskRegistry has 0 tasks") are shown only with --verbosity=0."""
+  import tensorflow as tf
+  from absl import flags, logging
+  user_errors = (ValueError, OSError, tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
+                 tf.errors.FailedPreconditionError)
+
+  def main_with_one_line_errors(argv):
+    if not flags.FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)
+    try:
+      if len(argv) > 1:
+        raise ValueError(f"unexpected arguments {argv[1:]}: every input is a --flag")
+      main()
+    except user_errors as error:
+      if os.environ.get("POD_PRETRAIN_DEBUG"):
+        raise
+      sys.exit(f"{program}: error: {str(error).strip().splitlines()[0]}")
+
+  run_absl(main_with_one_line_errors)
 
 
 _start()

@@ -14,7 +14,6 @@ every host, which suits one machine, not a pod.
 from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
 
 import os
-import sys
 import time
 
 from absl import flags
@@ -48,26 +47,21 @@ def corpus_task():
   return tasks.get_task_or_mixture(name)
 
 
-def main(argv):
-  if len(argv) > 1:
-    sys.exit(f"tokenize: error: unexpected arguments {argv[1:]}")
-  try:
-    if not FLAGS.output:
-      raise ValueError("--output is required: the directory to write the token files to")
-    task = corpus_task()
-    splits = FLAGS.splits or list(task.splits)
-    unknown = sorted(set(splits) - set(task.splits))
-    if unknown:
-      raise ValueError(f"--splits: {task.name} has no split {unknown[0]!r} (it has {sorted(task.splits)})")
-    for split in splits:
-      start = time.perf_counter()
-      info = token_files.write(task, split, os.path.join(FLAGS.output, split))
-      print(f"{split}: {info['tokens']:,} tokens in {len(info['parts'])} part(s), "
-            f"{time.perf_counter() - start:.1f} s -> {os.path.join(FLAGS.output, split)}")
-  except (ValueError, FileNotFoundError) as error:  # bad flags, files, a missing vocabulary: one line
-    sys.exit(f"tokenize: error: {str(error).strip().splitlines()[0]}")
+def main():
+  if not FLAGS.output:
+    raise ValueError("--output is required: the directory to write the token files to")
+  task = corpus_task()
+  splits = FLAGS.splits or list(task.splits)
+  unknown = sorted(set(splits) - set(task.splits))
+  if unknown:
+    raise ValueError(f"--splits: {task.name} has no split {unknown[0]!r} (it has {sorted(task.splits)})")
+  for split in splits:
+    start = time.perf_counter()
+    info = token_files.write(task, split, os.path.join(FLAGS.output, split))
+    print(f"{split}: {info['tokens']:,} tokens in {len(info['parts'])} part(s), "
+          f"{time.perf_counter() - start:.1f} s -> {os.path.join(FLAGS.output, split)}")
   print(f"train with TOKEN_DIR={FLAGS.output!r} (--gin.TOKEN_DIR=\"'{FLAGS.output}'\")")
 
 
 if __name__ == "__main__":
-  startup.run_absl(main)
+  startup.run_program(main, "tokenize")

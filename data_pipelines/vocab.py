@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import glob
 import io
-import sys
 
 import numpy as np
 import sentencepiece as spm
@@ -44,14 +43,14 @@ def train_sentencepiece(input_files, vocab_size: int, output_prefix: str, model_
   files = [str(f) for f in input_files]
   if not files:
     raise ValueError("no input files to train a vocabulary on")
+  path = epath.Path(output_prefix + ".model")
+  path.parent.mkdir(parents=True, exist_ok=True)  # before training: an output that cannot be made fails first
   model = io.BytesIO()
   spm.SentencePieceTrainer.train(
       input=files, model_writer=model, vocab_size=vocab_size, model_type=model_type,
       pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=BOS_ID,
       user_defined_symbols=list(USER_SYMBOLS), character_coverage=1.0,
       input_sentence_size=max_sentences, shuffle_input_sentence=True, minloglevel=2)
-  path = epath.Path(output_prefix + ".model")
-  path.parent.mkdir(parents=True, exist_ok=True)
   path.write_bytes(model.getvalue())
   return str(path)
 
@@ -110,20 +109,19 @@ def define_flags() -> None:
   flags.DEFINE_enum("model_type", "unigram", ["unigram", "bpe"], "Sentencepiece algorithm.")
 
 
-def main(argv):
-  del argv
+def main():
   if not FLAGS.input or not FLAGS.output:
-    sys.exit("error: --input and --output are required")
+    raise ValueError("--input and --output are required")
   files = sorted(glob.glob(FLAGS.input))
   if not files:
-    sys.exit(f"error: --input={FLAGS.input!r} matches no files")
+    raise ValueError(f"--input={FLAGS.input!r} matches no files")
   try:
     path = train_sentencepiece(files, FLAGS.vocab_size, FLAGS.output, FLAGS.model_type)
   except RuntimeError as e:  # sentencepiece reports bad settings (e.g. vocab too large) this way
-    sys.exit(f"error: sentencepiece training failed: {str(e).strip().splitlines()[-1]}")
+    raise ValueError(f"sentencepiece training failed: {str(e).strip().splitlines()[-1]}") from None
   print(f"wrote {path} ({FLAGS.vocab_size} pieces from {len(files)} files)")
 
 
 if __name__ == "__main__":
   define_flags()
-  startup.run_absl(main)
+  startup.run_program(main, "vocab")

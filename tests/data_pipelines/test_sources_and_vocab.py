@@ -106,7 +106,7 @@ def test_vocab_cli_glob_matching_nothing_is_a_one_line_error(tmp_path):
   pattern = f"{tmp_path}/nothing-*.txt"
   result = run_here("data_pipelines.vocab", f"--input={pattern}", "--vocab_size=300", f"--output={tmp_path}/spm")
   assert result.returncode != 0
-  assert result.stderr.strip().splitlines()[-1] == f"error: --input={pattern!r} matches no files"
+  assert result.stderr.strip().splitlines()[-1] == f"vocab: error: --input={pattern!r} matches no files"
   assert "Traceback" not in result.stderr
 
 
@@ -303,6 +303,13 @@ def test_split_text_writes_whole_documents_in_order_in_even_parts(tmp_path, demo
                    "--num_files=8")
   assert again.returncode != 0 and again.stderr.strip().splitlines()[-1].endswith("is not empty: parts of another "
                                                                                   "split would mix with these")
+  # Fewer documents than files: the parts' names count the parts there are.
+  (tmp_path / "two.txt").write_text("One document.\n\nAnother one.\n")
+  few = run_here("data_pipelines.split_text", f"--input={tmp_path}/two.txt", f"--output_dir={tmp_path}/few",
+                 "--num_files=5")
+  assert few.returncode == 0, few.stderr[-2000:]
+  assert "too few documents for 5 files: wrote 2" in few.stdout
+  assert sorted(p.name for p in (tmp_path / "few").iterdir()) == ["part-00000-of-00002.txt", "part-00001-of-00002.txt"]
 
 
 def test_a_pipeline_warns_when_its_shards_reread_a_few_files(tmp_path, demo_paths, monkeypatch, capsys):

@@ -4,12 +4,13 @@ exit code 1, or is skipped with a warning that counts it. The runs fail early, s
 text)."""
 import io
 import re
+import subprocess
 
 import pytest
 import seqio
 import sentencepiece as spm
 
-from helpers import host_devices, restored, run_module, run_train
+from helpers import host_devices, restored, run_here, run_module, run_train
 from data_pipelines import sources, tasks
 
 BERT_RUN = "--gin_file=gin_configs/runs/bert_tiny_demo.gin"
@@ -214,3 +215,30 @@ def test_preview_stops_with_one_line(tmp_path, demo_paths):
   with pytest.raises(ValueError, match=re.escape(f"t5_span_corruption makes no example from the train text of {name} "
                                                  f"('{tmp_path}/blank.txt', 1 file(s)): it holds no sentence")):
     preview.print_examples(name, "train", 1, "jsonl", 0)
+
+
+@pytest.mark.parametrize("program, flag", [("data_pipelines.vocab", "--output"),
+                                           ("data_pipelines.tokenize", "--output"),
+                                           ("data_pipelines.split_text", "--output_dir")])
+def test_a_data_program_names_the_output_it_cannot_write(program, flag, tmp_path, demo_paths):
+  """The output's place is a file, then a directory that refuses writes (immutable: root's too)."""
+  inputs = {"data_pipelines.vocab": [f"--input={demo_paths['train']}", "--vocab_size=300"],
+            "data_pipelines.tokenize": ["--task=demo_xlnet_plm"],
+            "data_pipelines.split_text": [f"--input={demo_paths['train']}", "--num_files=2"]}[program]
+  name = program.split(".")[1]
+  (tmp_path / "a_file").write_text("not a directory\n")
+  done = run_here(program, *inputs, f"{flag}={tmp_path}/a_file/out")
+  assert done.returncode == 1 and "Traceback" not in done.stderr
+  [line] = done.stderr.strip().splitlines()
+  assert line.startswith(f"{name}: error: ") and f"{tmp_path}/a_file" in line
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  subprocess.run(["chattr", "+i", str(locked)], check=True, capture_output=True)
+  try:
+    done = run_here(program, *inputs, f"{flag}={locked}/out")
+  finally:
+    subprocess.run(["chattr", "-i", str(locked)], check=True, capture_output=True)
+  assert done.returncode == 1 and "Traceback" not in done.stderr
+  [line] = done.stderr.strip().splitlines()
+  assert line.startswith(f"{name}: error: ") and f"{locked}/out" in line
+  assert list(locked.iterdir()) == []

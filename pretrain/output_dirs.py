@@ -10,8 +10,11 @@ from pretrain.errors import ConfigError
 
 def check_output_dir(output_dir: str, overwrite: bool) -> epath.Path:
   out = epath.Path(output_dir)
-  if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-    raise ConfigError(f"output directory {output_dir} is not empty; pass --overwrite to replace it")
+  if out.exists() and not overwrite:
+    if not out.is_dir():
+      raise ConfigError(f"output directory {output_dir} is a file; pass --overwrite to replace it")
+    if any(out.iterdir()):
+      raise ConfigError(f"output directory {output_dir} is not empty; pass --overwrite to replace it")
   return out
 
 

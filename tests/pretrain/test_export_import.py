@@ -203,6 +203,7 @@ BAD_INPUTS = {  # case -> (program, words of its one-line error)
     "no_checkpoint": ("pretrain.export", "no checkpoint"), "missing_step": ("pretrain.export", "step 7 not in"),
     "unknown_family": ("pretrain.export", "unknown model family 'gpt2'"),
     "output_not_empty": ("pretrain.export", "is not empty"),
+    "output_is_a_file": ("pretrain.export", "notes.txt is a file"),
     "vocab_too_large": ("pretrain.export", "more than the model's vocab_size=100"),
     "unsupported_hf_model": ("pretrain.import_hf", "model_type='gpt2'")}
 AS_PROGRAMS = ("no_checkpoint", "unsupported_hf_model")  # one per program: its flags, one line and exit code
@@ -226,6 +227,7 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
   (root / "empty" / "checkpoints").mkdir(parents=True)
   (root / "taken").mkdir()
   (root / "taken" / "keep.txt").write_text("mine")
+  (root / "notes.txt").write_text("mine")
   (root / "gpt2_hf").mkdir()
   gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
   (root / "gpt2_hf" / "config.json").write_text(json.dumps(gpt2))
@@ -239,6 +241,7 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
           "unknown_family": [f"--model_dir={gpt}", output("unknown_family")],
           "vocab_too_large": [f"--model_dir={small}", output("vocab_too_large")],
           "output_not_empty": [f"--model_dir={bert_dir}", output("taken")],
+          "output_is_a_file": [f"--model_dir={bert_dir}", output("notes.txt")],
           "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"]}
   before = sorted(os.listdir(root))
   programs = {case: run_here(BAD_INPUTS[case][0], *args[case]) for case in AS_PROGRAMS}
@@ -255,4 +258,4 @@ def test_bad_input_fails_with_one_line_and_no_output(case, bad_runs):
   last = stderr.strip().splitlines()[-1]
   assert returncode != 0 and last.startswith(f"{program}: error:") and message in last, stderr[-1500:]
   assert sorted(os.listdir(root)) == before  # no output and no staging directory, for any case
-  assert os.listdir(root / "taken") == ["keep.txt"]
+  assert os.listdir(root / "taken") == ["keep.txt"] and (root / "notes.txt").read_text() == "mine"

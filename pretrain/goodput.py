@@ -42,7 +42,7 @@ import dataclasses
 import datetime
 import json
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from etils import epath
 
@@ -124,29 +124,45 @@ class Account:
 
 
 def read_records(model_dir: str) -> List[dict]:
-  """The records of MODEL_DIR/goodput.jsonl; a line cut short (a process killed while appending) is skipped."""
+  """The records of MODEL_DIR/goodput.jsonl; unreadable lines are skipped (`read_records_and_unreadable`)."""
+  return read_records_and_unreadable(model_dir)[0]
+
+
+def read_records_and_unreadable(model_dir: str) -> Tuple[List[dict], int]:
+  """(the records of MODEL_DIR/goodput.jsonl, how many lines were skipped as unreadable): a line cut short (a
+  process killed while appending), or damaged (not JSON, or without the fields the report reads)."""
   path = epath.Path(model_dir) / FILE_NAME
   if not path.exists():
     raise FileNotFoundError(f"{model_dir} has no {FILE_NAME}: no run has started there, or none since goodput "
                             "was recorded")
-  return _json_lines(path)
+  return _json_lines(path, lambda kind: ("start", "kind", "time", *_FIELDS_READ.get(kind, ())))
 
 
 def read_launcher_records(model_dir: str) -> List[dict]:
   """The records `launch.tpu run` wrote in MODEL_DIR/goodput_launcher/, all its launches'; none if it wrote none."""
   paths = sorted((epath.Path(model_dir) / run_events.RECORDS_DIR).glob("*.jsonl"))
-  return [record for path in paths for record in _json_lines(path)]
+  return [record for path in paths for record in _json_lines(path, lambda kind: ("kind", "time"))[0]]
 
 
-def _json_lines(path: epath.Path) -> List[dict]:
-  """A line cut short (a process killed while appending) is skipped."""
-  records = []
-  for line in path.read_text().splitlines():
+# The fields the report reads of a start's records of each kind, besides `start`, `kind` and `time`.
+_FIELDS_READ = {"steps": ("step", "skipped", "seconds", "input_seconds"), "end": ("step", "how"),
+                **{kind: ("seconds",) for kind in TIMED_KINDS}}
+
+
+def _json_lines(path: epath.Path, fields: Callable[[str], Tuple[str, ...]]) -> Tuple[List[dict], int]:
+  """(the lines' records, each with the `fields` its kind needs; how many lines were not such a record)."""
+  records, unreadable = [], 0
+  for line in path.read_bytes().splitlines():
     try:
-      records.append(json.loads(line))
-    except json.JSONDecodeError:
-      continue
-  return records
+      record = json.loads(line)
+      usable = isinstance(record, dict) and all(name in record for name in fields(record.get("kind")))
+    except ValueError:  # not UTF-8, or not JSON
+      usable = False
+    if usable:
+      records.append(record)
+    else:
+      unreadable += 1
+  return records, unreadable
 
 
 def account(records: Sequence[dict], launcher_records: Sequence[dict] = ()) -> Account:
@@ -320,8 +336,11 @@ def main(argv: Sequence[str]) -> None:
   parser.add_argument("model_dir", help="the run's MODEL_DIR (local path or gs://)")
   parser.add_argument("--png", help="write the timeline here")
   args = parser.parse_args(argv)
-  run = account(read_records(args.model_dir), read_launcher_records(args.model_dir))
+  records, unreadable = read_records_and_unreadable(args.model_dir)
+  run = account(records, read_launcher_records(args.model_dir))
   print(report(args.model_dir, run))
+  if unreadable:
+    print(f"{unreadable} line(s) of {FILE_NAME} skipped: cut short (a process killed while writing) or damaged")
   if args.png:
     plot(run, args.png)
     print(f"timeline: {args.png}")

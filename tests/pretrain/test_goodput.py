@@ -107,6 +107,32 @@ def test_the_report_prints_each_kind_and_start_and_plots_the_timeline(tmp_path, 
   assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_damaged_lines_are_skipped_and_counted_and_the_rest_reported_as_before(tmp_path, capsys):
+  """Bytes flipped on disk: one to a byte that is not UTF-8, one in a field's name (valid JSON, a field gone), one
+  in the JSON's syntax; the records that are left report as they did, and the run's done line reads them too."""
+  records = records_of("a", 0.0, ("init", 2, {"seconds": 1.0, "step": 0}), ("first_step", 3, {"step": 1}),
+                       window(13, 10, 10), ("end", 13, {"how": "finished", "step": 10}))
+  path = tmp_path / goodput.FILE_NAME
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  goodput.main([str(tmp_path)])
+  clean = capsys.readouterr().out
+  damaged = records_of("b", 20.0, ("init", 2, {"seconds": 1.0, "step": 0}), window(13, 10, 10))
+  path.write_text("".join(json.dumps(r) + "\n" for r in records + damaged))
+  data = bytearray(path.read_bytes())
+  flips = (('"start": "b"', 1, 0x80), ('"seconds": 1.0, "step": 0}', 2, 0x01), ('"step": 10, ', 6, 0x08))
+  for text, offset, flip in flips:  # 's' -> 0xf3, "seconds" -> "sdconds", "step": -> "step"2
+    at = data.index(text.encode(), len(data) - sum(len(json.dumps(r)) + 1 for r in damaged)) + offset
+    data[at] ^= flip
+  path.write_bytes(bytes(data))
+  assert len(goodput.read_records(str(tmp_path))) == len(records)
+  goodput.main([str(tmp_path)])
+  assert capsys.readouterr().out == clean + f"3 line(s) of {goodput.FILE_NAME} skipped: cut short (a process killed " \
+                                            "while writing) or damaged\n"
+  with goodput_events.EventLog(str(tmp_path), write=True, called_at=time.time()) as events:
+    this_start, the_run = events.goodput_shares()
+  assert this_start == 0.0 and 0.0 < the_run < goodput.account(records).goodput_share
+
+
 def test_a_model_dir_without_records_is_one_line_and_exit_1(tmp_path, capsys):
   with pytest.raises(SystemExit) as exited:
     cli.run("pretrain.goodput", lambda: goodput.main([str(tmp_path)]))

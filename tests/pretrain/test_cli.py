@@ -51,7 +51,14 @@ XLNET_RUN = "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
     ([XLNET_RUN, "--gin.xlnet.XLNetConfig.reuse_len=32"],
      "xlnet.XLNetConfig.reuse_len=32 differs from the data's TASK_FEATURE_LENGTHS reuse_len=64"),
     ([BERT_RUN, "--no_such_flag"], "unknown arguments ['--no_such_flag']"),
-    ([BERT_RUN, "--gin.TRAIN_STEPS=0"], "TRAIN_STEPS=0: expected a positive number of steps"),
+    ([BERT_RUN, "--gin.TRAIN_STEPS=0"], "TRAIN_STEPS=0: must be at least 1"),
+    # A count of 0 would divide by zero after the compile (LOG_EVERY_STEPS), or keep no checkpoint (KEEP_CHECKPOINTS).
+    ([BERT_RUN, "--gin.LOG_EVERY_STEPS=0"], "LOG_EVERY_STEPS=0: must be at least 1"),
+    ([BERT_RUN, "--gin.KEEP_CHECKPOINTS=0"], "KEEP_CHECKPOINTS=0: must be at least 1"),
+    ([BERT_RUN, "--gin.EVAL_EVERY_STEPS=-1"], "EVAL_EVERY_STEPS=-1: must be at least 0"),
+    ([BERT_RUN, "--gin.MICROBATCHES=0"], "MICROBATCHES=0: must be at least 1"),
+    ([BERT_RUN, "--gin.LEARNING_RATE=-1e-3"], "LEARNING_RATE=-0.001: must be at least 0"),
+    ([BERT_RUN, "--gin.ADAM_B2=1.0"], "ADAM_B2=1.0: must be at least 0 and below 1"),
     ([BERT_RUN, "--gin.PROFILE_STEPS=(5, 2)"], "PROFILE_STEPS=(5, 2): expected (first, last) with 1 <= first <= last"),
     (["--gin_file=gin_configs/runs/no_such_run.gin"], "--gin_file=gin_configs/runs/no_such_run.gin: no such file"),
 ])

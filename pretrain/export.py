@@ -22,6 +22,7 @@ from data_pipelines import startup  # first, before TensorFlow and JAX load: the
 import dataclasses
 import os
 import re
+import shutil
 import tempfile
 from typing import Dict, Optional
 
@@ -138,8 +139,10 @@ def write_hf(ckpt: Checkpoint, config, params, directory: str, dtype: str) -> No
   hf_config.dtype = getattr(torch, dtype)
   hf_config.save_pretrained(directory)
   state = common.to_hf(params, ckpt.spec.mapping.rules(config))
+  weights = os.path.join(directory, "model.safetensors")
   save_file({key: torch.from_numpy(value).to(getattr(torch, dtype)).contiguous() for key, value in state.items()},
-            os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+            weights, metadata={"format": "pt"})
+  shutil.copymode(os.path.join(directory, "config.json"), weights)  # safetensors makes it 0600, readable by no one else
   spm_model = epath.Path(ckpt.vocab_path).read_bytes()
   hf_tokenizer(spm_model, ckpt.spec.layout, getattr(config, "max_position_embeddings", None)
                ).save_pretrained(directory)

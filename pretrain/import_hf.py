@@ -29,7 +29,7 @@ from etils import epath
 
 from data_pipelines import vocab as vocab_lib
 from pretrain import checkpoints, cli, registry, run_files
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, one_line
 from pretrain.hf_mappings import common
 from pretrain.output_dirs import check_output_dir, staged_directory
 
@@ -42,15 +42,22 @@ RUN_CHOICES = ("dtype", "remat_policy", "scan_layers", "dropout_rate", "attentio
 
 def read_hf_weights(hf_dir: epath.Path) -> Dict[str, np.ndarray]:
   """The state dict as float32 numpy arrays, from model.safetensors or pytorch_model.bin."""
+  import pickle
+
   import torch
+  from safetensors import SafetensorError
   from safetensors.torch import load
 
-  if (hf_dir / "model.safetensors").exists():
-    state = load((hf_dir / "model.safetensors").read_bytes())
-  elif (hf_dir / "pytorch_model.bin").exists():
-    state = torch.load(io.BytesIO((hf_dir / "pytorch_model.bin").read_bytes()), map_location="cpu", weights_only=True)
-  else:
-    raise FileNotFoundError(f"--hf_dir={hf_dir}: neither model.safetensors nor pytorch_model.bin")
+  try:
+    if (hf_dir / "model.safetensors").exists():
+      state = load((hf_dir / "model.safetensors").read_bytes())
+    elif (hf_dir / "pytorch_model.bin").exists():
+      state = torch.load(io.BytesIO((hf_dir / "pytorch_model.bin").read_bytes()), map_location="cpu",
+                         weights_only=True)
+    else:
+      raise FileNotFoundError(f"--hf_dir={hf_dir}: neither model.safetensors nor pytorch_model.bin")
+  except (SafetensorError, pickle.UnpicklingError, EOFError, RuntimeError) as e:  # cut short, damaged, not weights
+    raise ConfigError(f"--hf_dir={hf_dir}: its weights cannot be read ({one_line(e)})") from e
   return {key: value.float().numpy() for key, value in state.items()}
 
 
@@ -66,9 +73,13 @@ def gin_bindings(config, vocab_model: Optional[str]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def check_vocabulary(path: str, vocab_size: int) -> Optional[str]:
-  """Fails if the vocabulary does not fit the embedding; returns why a run could not use it, if so."""
-  pieces = spm.SentencePieceProcessor(model_file=path).get_piece_size()
+def check_vocabulary(path: str, vocab_size: int, source: str) -> Optional[str]:
+  """Fails if the vocabulary (a copy of `source`) is none or does not fit the embedding; returns why a run could not
+  use it, if so."""
+  try:
+    pieces = spm.SentencePieceProcessor(model_file=path).get_piece_size()
+  except RuntimeError as e:  # "could not parse ModelProto from PATH": cut short or damaged
+    raise ConfigError(f"{source} is not a sentencepiece model ({one_line(e).replace(path, source)})") from e
   if pieces > vocab_size:
     raise ConfigError(f"the sentencepiece model has {pieces} pieces, more than the model's vocab_size={vocab_size}")
   try:
@@ -84,7 +95,10 @@ def import_hf(hf_dir: str, model_dir: str, overwrite: bool = False) -> dict:
   hf_path = epath.Path(hf_dir)
   if not (hf_path / "config.json").exists():
     raise FileNotFoundError(f"--hf_dir={hf_dir}: no config.json")
-  hf_config = json.loads((hf_path / "config.json").read_text())
+  try:
+    hf_config = json.loads((hf_path / "config.json").read_text())
+  except ValueError as e:  # not UTF-8, or not JSON
+    raise ConfigError(f"--hf_dir={hf_dir}: config.json is not JSON ({e})") from e
   spec = registry.from_hf_config(hf_config)
   config = spec.mapping.config_from_hf(hf_config)
   params = common.from_hf(read_hf_weights(hf_path), spec.mapping.rules(config), spec.param_shapes(config))
@@ -94,7 +108,7 @@ def import_hf(hf_dir: str, model_dir: str, overwrite: bool = False) -> dict:
   with staged_directory(out) as staging:
     if spm_path:
       run_files.vocab_path(staging).write_bytes(spm_path.read_bytes())
-      vocab_warning = check_vocabulary(str(run_files.vocab_path(staging)), config.vocab_size)
+      vocab_warning = check_vocabulary(str(run_files.vocab_path(staging)), config.vocab_size, str(spm_path))
     (epath.Path(staging) / "import.gin").write_text(gin_bindings(config, vocab_model))
     checkpoints.save_weights(staging, params, run_config.to_json())
   return {"family": spec.name, "model_dir": str(out), "vocab_model": vocab_model, "vocab_warning": vocab_warning}

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import sentencepiece as spm
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -92,11 +93,19 @@ def validation_lines(demo_paths, count):
   return lines[:count]
 
 
+def current_umask() -> int:
+  mask = os.umask(0)
+  os.umask(mask)
+  return mask
+
+
 def test_bert_trained_on_eight_devices_exports_on_one(bert_dir, tmp_path, demo_paths):
   assert jax.device_count() == 1
   summary = export.export(str(bert_dir), str(tmp_path / "hf"))
   assert summary["step"] == EIGHT_DEVICE_STEPS and max(summary["max_logit_diff"].values()) < export.TOLERANCE
   assert sorted(os.listdir(tmp_path)) == ["hf"]  # the staging directory is gone
+  modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "hf").iterdir()}
+  assert set(modes.values()) == {0o666 & ~current_umask()}, modes  # others can read the weights, as the config
   lines = validation_lines(demo_paths, 300)
   tokenizer, vocabulary = assert_hf_matches_ours("bert", bert_dir, tmp_path / "hf", [lines[0], lines[1]])
   cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
@@ -205,8 +214,12 @@ BAD_INPUTS = {  # case -> (program, words of its one-line error)
     "output_not_empty": ("pretrain.export", "is not empty"),
     "output_is_a_file": ("pretrain.export", "notes.txt is a file"),
     "vocab_too_large": ("pretrain.export", "more than the model's vocab_size=100"),
-    "unsupported_hf_model": ("pretrain.import_hf", "model_type='gpt2'")}
-AS_PROGRAMS = ("no_checkpoint", "unsupported_hf_model")  # one per program: its flags, one line and exit code
+    "unsupported_hf_model": ("pretrain.import_hf", "model_type='gpt2'"),
+    "hf_config_cut_short": ("pretrain.import_hf", "config.json is not JSON"),
+    "hf_weights_cut_short": ("pretrain.import_hf", "its weights cannot be read"),
+    "hf_vocabulary_cut_short": ("pretrain.import_hf", "tokenizer.model is not a sentencepiece model")}
+# Run from their command lines: one export case (its flags, one line and exit code) and every import case.
+AS_PROGRAMS = ("no_checkpoint", *(case for case, (program, _) in BAD_INPUTS.items() if program == "pretrain.import_hf"))
 
 
 def exported_in_this_process(arguments):
@@ -231,6 +244,15 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
   (root / "gpt2_hf").mkdir()
   gpt2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
   (root / "gpt2_hf" / "config.json").write_text(json.dumps(gpt2))
+  pieces = spm.SentencePieceProcessor(model_file=demo_paths["vocab_model"]).get_piece_size()
+  tiny_bert = transformers.BertConfig(vocab_size=pieces, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                                      intermediate_size=8)
+  for part in ("config", "weights", "vocabulary"):  # a HuggingFace BERT with that file cut to half its bytes
+    hf_dir = root / f"hf_{part}_cut_short"
+    transformers.BertForPreTraining(tiny_bert).save_pretrained(hf_dir)
+    shutil.copy(demo_paths["vocab_model"], hf_dir / "tokenizer.model")
+    cut = hf_dir / {"config": "config.json", "weights": "model.safetensors", "vocabulary": "tokenizer.model"}[part]
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
   small_bert = {"family": "bert", "model_config": {"vocab_size": 100, "hidden_size": 8, "num_layers": 1,
                                                     "num_heads": 1, "mlp_dim": 8}, "vocab_model": "vocab.model"}
   gpt = fake_checkpoint(root / "gpt", {**small_bert, "family": "gpt2"}, demo_paths["vocab_model"])
@@ -242,7 +264,9 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
           "vocab_too_large": [f"--model_dir={small}", output("vocab_too_large")],
           "output_not_empty": [f"--model_dir={bert_dir}", output("taken")],
           "output_is_a_file": [f"--model_dir={bert_dir}", output("notes.txt")],
-          "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"]}
+          "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"],
+          **{case: [f"--hf_dir={root / case}", f"--model_dir={root / 'imported'}"]
+             for case in ("hf_config_cut_short", "hf_weights_cut_short", "hf_vocabulary_cut_short")}}
   before = sorted(os.listdir(root))
   programs = {case: run_here(BAD_INPUTS[case][0], *args[case]) for case in AS_PROGRAMS}
   results = {case: exported_in_this_process(arguments) for case, arguments in args.items() if case not in programs}

@@ -102,7 +102,9 @@ class DataIteratorRestore(ocp.args.CheckpointArgs):
 
 
 def checkpoint_dir(model_dir: str) -> epath.Path:
-  return epath.Path(model_dir) / "checkpoints"
+  """MODEL_DIR/checkpoints, a local one as an absolute path: orbax's tensorstore refuses a relative one."""
+  model_dir = str(model_dir)
+  return epath.Path(model_dir if "://" in model_dir else os.path.abspath(model_dir)) / "checkpoints"
 
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # in the name of a step directory that orbax has not finalised

@@ -1,7 +1,9 @@
 """Shared command-line plumbing: T5X-style gin flags and their --help, gin-bound arguments, one-line errors."""
+import contextlib
 import copy
 import difflib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -99,12 +101,31 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str]) -> None:
     if not any((Path(base) / f).exists() for base in ("", PROJECT_ROOT)):
       raise ConfigError(f"--gin_file={f}: no such file")
   try:
-    gin.parse_config_files_and_bindings(list(files), None, finalize_config=False)
+    with _quiet_search_misses():
+      gin.parse_config_files_and_bindings(list(files), None, finalize_config=False)
     read_in_files = _macros_in(gin.config._CONFIG)  # a command-line binding may replace a file's reader
     gin.parse_config(list(bindings))
   except (ValueError, SyntaxError) as e:  # an unknown configurable or parameter, a malformed binding
     raise ConfigError(one_line(e)) from e
+  except OSError as e:  # an include found nowhere: gin's next lines say which file includes it
+    where = next((line.strip() for line in str(e).splitlines() if line.strip().startswith("In file ")), "")
+    raise ConfigError(f"{one_line(e)} {where}".strip()) from e
   _refuse_unread_settings(bindings, read_in_files)
+
+
+@contextlib.contextmanager
+def _quiet_search_misses():
+  """gin logs 'Path not found' at ERROR for each search path an include is not under (the cwd, say, when the project
+  root has it), though another may hold it; an include found under none is gin's error, and still one."""
+  def keep(record: logging.LogRecord) -> bool:
+    return record.msg != "Path not found: %s"
+
+  root = logging.getLogger()
+  root.addFilter(keep)
+  try:
+    yield
+  finally:
+    root.removeFilter(keep)
 
 
 Key = Tuple[str, str, str]  # a binding: (scope, configurable's selector, parameter)

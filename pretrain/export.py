@@ -34,7 +34,7 @@ from etils import epath
 
 from data_pipelines import vocab as vocab_lib
 from pretrain import checkpoints, cli, registry, run_files
-from pretrain.errors import ConfigError
+from pretrain.errors import ConfigError, user_settings
 from pretrain.hf_mappings import common
 from pretrain.output_dirs import check_output_dir, staged_directory
 
@@ -58,7 +58,8 @@ def open_checkpoint(model_dir: str, step: Optional[int] = None) -> Checkpoint:
   step, run_config = run_files.read_run_config(model_dir, step)
   spec, config = registry.get(run_config.family.name), run_config.family.config
   vocab_path = str(run_files.vocab_path(model_dir))
-  vocab_size = vocab_lib.load_vocabulary(vocab_path).vocab_size
+  with user_settings():  # a vocabulary that is none (damaged, cut short) is the run directory's fault
+    vocab_size = vocab_lib.load_vocabulary(vocab_path).vocab_size
   if vocab_size > config.vocab_size:
     raise ConfigError(f"vocabulary {vocab_path} has {vocab_size} pieces, more than the model's "
                       f"vocab_size={config.vocab_size}")

@@ -82,12 +82,13 @@ def _once_per_run(tmp_path_factory, name: str, make) -> Path:
 def bert_on_eight_devices(tmp_path_factory):
   """MODEL_DIR of BERT trained EIGHT_DEVICE_STEPS steps (SMALL_BERT, every step logged) on 8 host devices
   (mesh data=4, model=2), in its own process, once per test run; the export tests and the sharding test share
-  it. The process's stderr is in the file next to MODEL_DIR named STDERR_FILE."""
+  it. The process's stderr is in the file next to MODEL_DIR named STDERR_FILE. It runs as a user's run from
+  another directory: there, with MODEL_DIR 'run' (relative) and the run file found in the project."""
   from helpers import EIGHT_DEVICE_STEPS, STDERR_FILE, host_devices, run_module, small_bert_flags
 
   def train_on_eight_devices(directory):
-    result = run_module("pretrain.train", *small_bert_flags(directory / "run", EIGHT_DEVICE_STEPS),
-                        "--gin.LOG_EVERY_STEPS=1", "--gin.MESH_SHAPE={'data': 4, 'model': 2}", env=host_devices(8))
+    result = run_module("pretrain.train", *small_bert_flags("run", EIGHT_DEVICE_STEPS), "--gin.LOG_EVERY_STEPS=1",
+                        "--gin.MESH_SHAPE={'data': 4, 'model': 2}", env=host_devices(8), cwd=directory)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "'data': 4" in result.stdout and "'model': 2" in result.stdout, result.stdout[-2000:]
     (directory / STDERR_FILE).write_text(result.stderr)

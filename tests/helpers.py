@@ -32,15 +32,15 @@ def _env(extra):
   return {**os.environ, "JAX_PLATFORMS": "cpu", **(extra or {})}
 
 
-def run(command, env=None, timeout=600):
-  """Runs `command` from the repository root with JAX on the CPU, `env` added to (or replacing) the
-  inherited variables; returns the CompletedProcess with text stdout and stderr."""
-  return subprocess.run(command, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=timeout)
+def run(command, env=None, timeout=600, cwd=ROOT):
+  """Runs `command` (from the repository root, unless `cwd`) with JAX on the CPU, `env` added to (or replacing)
+  the inherited variables; returns the CompletedProcess with text stdout and stderr."""
+  return subprocess.run(command, cwd=cwd, env=_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-def run_module(module, *args, env=None, timeout=600):
+def run_module(module, *args, env=None, timeout=600, cwd=ROOT):
   """`run` of `python -m module args`."""
-  return run(module_command(module, *args), env=env, timeout=timeout)
+  return run(module_command(module, *args), env=env, timeout=timeout, cwd=cwd)
 
 
 def run_here(program, *args):

@@ -86,6 +86,14 @@ def test_the_other_gin_programs_refuse_a_setting_nothing_reads(program, main, ca
   assert exited.value.code == 1 and last.startswith(f"{program}: error: PER_DEVICE_BATCH = 2: no setting reads"), last
 
 
+def test_an_include_found_nowhere_is_named_with_the_file_that_includes_it(capsys, tmp_path):
+  run_file = tmp_path / "mine.gin"
+  run_file.write_text("include 'gin_configs/runs/bert_tiny_demo.gin'\ninclude 'nowhere/x.gin'\n")
+  code, last = run_train(capsys, tmp_path, f"--gin_file={run_file}")
+  assert code == 1 and last.startswith("pretrain.train: error: Unable to open file: nowhere/x.gin. Searched config ")
+  assert last.endswith(f'In file "{run_file}", line 2'), last
+
+
 def test_a_model_dir_that_is_a_file_fails_with_one_line(capsys, tmp_path):
   (tmp_path / "a_file").write_text("not a directory")
   code, last = run_train(capsys, tmp_path, BERT_RUN, f"--gin.MODEL_DIR='{tmp_path / 'a_file'}'")
@@ -116,7 +124,8 @@ PROGRAMS = {
 }
 GIN_PROGRAMS = ("pretrain.train", "pretrain.plan", "benchmarks/input_pipeline.py",
                 "benchmarks/plan_xlnet_large_v3_512.py")
-START_UP_NOISE = re.compile(r"cuInit|cuda_|absl::InitializeLog|rebuild TensorFlow|oneDNN")
+# TensorFlow's and absl's start; gin's misses of an include under a search path that does not hold it.
+START_UP_NOISE = re.compile(r"cuInit|cuda_|absl::InitializeLog|rebuild TensorFlow|oneDNN|Path not found")
 
 # Runs `PROGRAM --help` for each program given, as `python -m` or `python FILE` would, all in one process
 # (their imports are shared); prints {program: [exit code, stdout]} as JSON. Then, with TensorFlow loaded by

@@ -99,9 +99,10 @@ def current_umask() -> int:
   return mask
 
 
-def test_bert_trained_on_eight_devices_exports_on_one(bert_dir, tmp_path, demo_paths):
+def test_bert_trained_on_eight_devices_exports_on_one(bert_dir, tmp_path, demo_paths, monkeypatch):
   assert jax.device_count() == 1
-  summary = export.export(str(bert_dir), str(tmp_path / "hf"))
+  monkeypatch.chdir(bert_dir.parent)
+  summary = export.export(bert_dir.name, str(tmp_path / "hf"))  # a relative MODEL_DIR, as it was trained with
   assert summary["step"] == EIGHT_DEVICE_STEPS and max(summary["max_logit_diff"].values()) < export.TOLERANCE
   assert sorted(os.listdir(tmp_path)) == ["hf"]  # the staging directory is gone
   modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "hf").iterdir()}
@@ -214,6 +215,7 @@ BAD_INPUTS = {  # case -> (program, words of its one-line error)
     "output_not_empty": ("pretrain.export", "is not empty"),
     "output_is_a_file": ("pretrain.export", "notes.txt is a file"),
     "vocab_too_large": ("pretrain.export", "more than the model's vocab_size=100"),
+    "vocab_cut_short": ("pretrain.export", "vocab.model' is not a sentencepiece model"),
     "unsupported_hf_model": ("pretrain.import_hf", "model_type='gpt2'"),
     "hf_config_cut_short": ("pretrain.import_hf", "config.json is not JSON"),
     "hf_weights_cut_short": ("pretrain.import_hf", "its weights cannot be read"),
@@ -257,11 +259,14 @@ def bad_runs(bert_dir, tmp_path_factory, demo_paths):
                                                     "num_heads": 1, "mlp_dim": 8}, "vocab_model": "vocab.model"}
   gpt = fake_checkpoint(root / "gpt", {**small_bert, "family": "gpt2"}, demo_paths["vocab_model"])
   small = fake_checkpoint(root / "small", small_bert, demo_paths["vocab_model"])
+  cut = fake_checkpoint(root / "cut", small_bert, demo_paths["vocab_model"])
+  (cut / "vocab.model").write_bytes((cut / "vocab.model").read_bytes()[:1000])
   output = lambda case: f"--output_dir={root / case}"
   args = {"no_checkpoint": [f"--model_dir={root / 'empty'}", output("no_checkpoint")],
           "missing_step": [f"--model_dir={bert_dir}", "--step=7", output("missing_step")],
           "unknown_family": [f"--model_dir={gpt}", output("unknown_family")],
           "vocab_too_large": [f"--model_dir={small}", output("vocab_too_large")],
+          "vocab_cut_short": [f"--model_dir={cut}", output("vocab_cut_short")],
           "output_not_empty": [f"--model_dir={bert_dir}", output("taken")],
           "output_is_a_file": [f"--model_dir={bert_dir}", output("notes.txt")],
           "unsupported_hf_model": [f"--hf_dir={root / 'gpt2_hf'}", f"--model_dir={root / 'imported'}"],

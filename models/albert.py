@@ -46,6 +46,10 @@ class AlbertConfig:
     if self.scan_layers and self.share not in WHOLE_LAYER_SHARE_MODES:
       raise ValueError(f"scan_layers=True needs share in {WHOLE_LAYER_SHARE_MODES}, got share={self.share!r} "
                        "(sharing one sublayer mixes shared and per-layer weights in a layer)")
+    layers.check_at_least(1, vocab_size=self.vocab_size, embedding_size=self.embedding_size,
+                          hidden_size=self.hidden_size, num_layers=self.num_layers, mlp_dim=self.mlp_dim,
+                          max_position_embeddings=self.max_position_embeddings, type_vocab_size=self.type_vocab_size)
+    layers.check_fractions(dropout_rate=self.dropout_rate, attention_dropout=self.attention_dropout)
     layers.check_heads_divide("hidden_size", self.hidden_size, self.num_heads)
 
   @property

@@ -42,6 +42,11 @@ class BartConfig:
   gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
 
   def __post_init__(self):
+    layers.check_at_least(1, vocab_size=self.vocab_size, d_model=self.d_model, encoder_layers=self.encoder_layers,
+                          decoder_layers=self.decoder_layers, ffn_dim=self.ffn_dim,
+                          max_position_embeddings=self.max_position_embeddings)
+    layers.check_fractions(dropout_rate=self.dropout_rate, attention_dropout=self.attention_dropout,
+                           activation_dropout=self.activation_dropout)
     layers.check_heads_divide("d_model", self.d_model, self.num_heads)
 
   @property

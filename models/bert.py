@@ -29,6 +29,10 @@ class BertConfig:
   gelu_gradient: str = "formula"  # layers.GELU_GRADIENTS: what the GELU's backward pass keeps
 
   def __post_init__(self):
+    layers.check_at_least(1, vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_layers=self.num_layers,
+                          mlp_dim=self.mlp_dim, max_position_embeddings=self.max_position_embeddings,
+                          type_vocab_size=self.type_vocab_size)
+    layers.check_fractions(dropout_rate=self.dropout_rate, attention_dropout=self.attention_dropout)
     layers.check_heads_divide("hidden_size", self.hidden_size, self.num_heads)
 
   @property

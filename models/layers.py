@@ -168,12 +168,26 @@ def embedding(num: int, features: int, axes: Sequence[str], dtype: Dtype, name: 
   )
 
 
+def check_at_least(least: float, **settings: Optional[float]) -> None:
+  """Each setting is None (another decides it) or at least `least`: a width or a count of 0 fails late (a division
+  by zero after the compile, arrays of no size that cannot be saved) or loses work (no checkpoint kept)."""
+  for name, value in settings.items():
+    if value is not None and value < least:
+      raise ValueError(f"{name}={value}: must be at least {least}")
+
+
+def check_fractions(**settings: Optional[float]) -> None:
+  """Each setting (a dropout rate, Adam's decay) is None or in [0, 1): at 1 or more every update is not finite."""
+  for name, value in settings.items():
+    if value is not None and not 0 <= value < 1:
+      raise ValueError(f"{name}={value}: must be at least 0 and below 1")
+
+
 def check_heads_divide(width_name: str, width: int, num_heads: int) -> None:
   """Each head gets width // num_heads: where that leaves a remainder, the attention would project to fewer
   features than the model's width and train on silently, so it is a configuration error; so are no heads, which
   would stop the run in a division by zero."""
-  if num_heads < 1:
-    raise ValueError(f"num_heads={num_heads}: must be at least 1")
+  check_at_least(1, num_heads=num_heads)
   if width % num_heads:
     raise ValueError(f"{width_name}={width} is not divisible by num_heads={num_heads}")
 

@@ -72,10 +72,10 @@ class XLNetConfig:
                        f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
     if self.attn_type != "bi":
       raise ValueError(f"attn_type={self.attn_type!r}: only 'bi' (XLNet pretraining's attention) is supported")
-    if self.n_head < 1 or self.d_head < 1:
-      raise ValueError(f"n_head={self.n_head}, d_head={self.d_head}: must be at least 1")
-    if self.mem_len < 0 or (self.reuse_len or 0) < 0:
-      raise ValueError(f"mem_len={self.mem_len}, reuse_len={self.reuse_len}: must be >= 0")
+    layers.check_at_least(1, vocab_size=self.vocab_size, d_model=self.d_model, n_layer=self.n_layer,
+                          n_head=self.n_head, d_head=self.d_head, d_inner=self.d_inner)
+    layers.check_at_least(0, mem_len=self.mem_len, reuse_len=self.reuse_len)
+    layers.check_fractions(dropout_rate=self.dropout_rate)
 
 
 def relative_encoding(qlen: int, klen: int, d_model: int, bi_data: bool, clamp_len: int) -> jax.Array:

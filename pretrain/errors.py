@@ -31,14 +31,6 @@ class Interrupted(BaseException):
 USER_ERRORS = (ConfigError, TrainingStopped, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
-def check_at_least(**settings) -> None:
-  """Each setting (name=(value, least)) is None or at least its least: a count of zero steps between logs, or
-  checkpoints to keep, would fail late or lose work."""
-  for name, (value, least) in settings.items():
-    if value is not None and value < least:
-      raise ConfigError(f"{name}={value}: must be at least {least}")
-
-
 @contextlib.contextmanager
 def user_settings():
   """A ValueError raised inside the block rejected a value the user set: re-raise it as a ConfigError."""

@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import optax
 
 from models import layers
-from pretrain.errors import ConfigError, check_at_least
 
 
 def warmup_linear_decay(peak_learning_rate: float, warmup_steps: int, total_steps: int,
                         end_learning_rate: float = 0.0) -> optax.Schedule:
-  check_at_least(LEARNING_RATE=(peak_learning_rate, 0), WARMUP_STEPS=(warmup_steps, 0))
+  layers.check_at_least(0, LEARNING_RATE=peak_learning_rate, WARMUP_STEPS=warmup_steps)
   warmup = optax.linear_schedule(0.0, peak_learning_rate, max(warmup_steps, 1))
   decay = optax.linear_schedule(peak_learning_rate, end_learning_rate, max(total_steps - warmup_steps, 1))
   return optax.join_schedules([warmup, decay], [warmup_steps])
@@ -123,10 +122,8 @@ def make_optimizer(schedule: optax.Schedule, name: str = "adamw", weight_decay: 
                    b2: float = 0.999, eps: float = 1e-6, clip_norm: float = 1.0,
                    skip_loss_spikes_above: Optional[float] = None) -> optax.GradientTransformationExtraArgs:
   """Its update takes the step's loss as an extra argument (`loss=`), used if `skip_loss_spikes_above`."""
-  check_at_least(WEIGHT_DECAY=(weight_decay, 0), ADAM_EPSILON=(eps, 0), CLIP_NORM=(clip_norm, 0))
-  for setting, decay in (("ADAM_B1", b1), ("ADAM_B2", b2)):
-    if not 0 <= decay < 1:
-      raise ConfigError(f"{setting}={decay}: must be at least 0 and below 1")
+  layers.check_at_least(0, WEIGHT_DECAY=weight_decay, ADAM_EPSILON=eps, CLIP_NORM=clip_norm)
+  layers.check_fractions(ADAM_B1=b1, ADAM_B2=b2)
   if name == "adamw":
     update = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask)
   elif name == "lamb":

@@ -14,9 +14,10 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
+from models import layers
 from pretrain import (checkpoints, compilation_cache, goodput_events, lease, optimizers, partitioning, run_files,
                       signals, step_cache, steps)
-from pretrain.errors import ConfigError, TrainingStopped, check_at_least, user_settings
+from pretrain.errors import ConfigError, TrainingStopped, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
 from pretrain.profiling import StepProfiler
@@ -208,12 +209,13 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   `goodput`: (this start's share of goodput, the run's so far) on process 0, else None.
   """
   called_at = time.time()  # where goodput's records begin this start, unless it is the process's first
-  check_at_least(TRAIN_STEPS=(train_steps, 1), BATCH_SIZE=(batch_size, 1), LOG_EVERY_STEPS=(log_every_steps, 1),
-                 CHECKPOINT_EVERY_STEPS=(checkpoint_every_steps, 1), EVAL_EVERY_STEPS=(eval_every_steps, 0),
-                 EVAL_STEPS=(eval_steps, 1), KEEP_CHECKPOINTS=(keep_checkpoints, 1), SEED=(seed, 0),
-                 MICROBATCHES=(microbatches, 1), MICROBATCH_ROWS_PER_GROUP=(microbatch_rows_per_group, 1),
-                 NUM_SLICES=(num_slices, 1), DATA_SHARDS=(data_shards, 1),
-                 MAX_SKIPPED_IN_A_ROW=(max_skipped_in_a_row, 1), SAVE_ATTEMPTS=(save_attempts, 0))
+  with user_settings():  # by the macros of runs/pretrain.gin
+    layers.check_at_least(1, TRAIN_STEPS=train_steps, BATCH_SIZE=batch_size, LOG_EVERY_STEPS=log_every_steps,
+                          CHECKPOINT_EVERY_STEPS=checkpoint_every_steps, EVAL_STEPS=eval_steps,
+                          KEEP_CHECKPOINTS=keep_checkpoints, MICROBATCHES=microbatches,
+                          MICROBATCH_ROWS_PER_GROUP=microbatch_rows_per_group, NUM_SLICES=num_slices,
+                          DATA_SHARDS=data_shards, MAX_SKIPPED_IN_A_ROW=max_skipped_in_a_row)
+    layers.check_at_least(0, EVAL_EVERY_STEPS=eval_every_steps, SEED=seed, SAVE_ATTEMPTS=save_attempts)
   profiler = StepProfiler(model_dir, profile_steps)
   directory = epath.Path(model_dir)
   if directory.exists() and not directory.is_dir():

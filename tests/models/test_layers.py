@@ -151,6 +151,33 @@ def test_albert_scans_only_whole_layer_sharing():
     AlbertConfig(share="attention", scan_layers=True)
 
 
+# Each family's sizes (a width or count of 0 trained, then could not be saved) and dropout rates (at 1 or more
+# every update is not finite).
+SIZES_AND_RATES = {
+    BertConfig: (("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_position_embeddings",
+                  "type_vocab_size"), ("dropout_rate", "attention_dropout")),
+    AlbertConfig: (("vocab_size", "embedding_size", "hidden_size", "num_layers", "num_heads", "mlp_dim",
+                    "max_position_embeddings", "type_vocab_size"), ("dropout_rate", "attention_dropout")),
+    XLNetConfig: (("vocab_size", "d_model", "n_layer", "n_head", "d_head", "d_inner"), ("dropout_rate",)),
+    BartConfig: (("vocab_size", "d_model", "encoder_layers", "decoder_layers", "num_heads", "ffn_dim",
+                  "max_position_embeddings"), ("dropout_rate", "attention_dropout", "activation_dropout")),
+}
+
+
+@pytest.mark.parametrize("config_class", SIZES_AND_RATES, ids=lambda c: c.__name__)
+def test_a_config_refuses_a_size_of_0_and_a_rate_outside_0_to_1_naming_the_field(config_class):
+  sizes, rates = SIZES_AND_RATES[config_class]
+  assert {f.name for f in dataclasses.fields(config_class) if f.type is int and f.name not in sizes} <= {
+      "mem_len", "clamp_len"}  # every other whole-number field is a size
+  for name in sizes:
+    with pytest.raises(ValueError, match=f"^{name}=0: must be at least 1$"):
+      config_class(**{name: 0})
+  for name, rate in ((name, rate) for name in rates for rate in (-0.1, 1.0)):
+    with pytest.raises(ValueError, match=f"^{name}={rate}: must be at least 0 and below 1$"):
+      config_class(**{name: rate})
+  config_class(**{name: 0.0 for name in rates}, vocab_size=None)  # no dropout; the run's vocabulary size
+
+
 @pytest.mark.parametrize("approximate", [False, True])
 def test_gelu_by_formula_keeps_only_its_input_for_the_backward_pass_and_gives_flaxs_gradient(approximate, capsys):
   from jax import ad_checkpoint

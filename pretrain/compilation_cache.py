@@ -10,10 +10,12 @@ was already given (JAX_COMPILATION_CACHE_DIR or jax.config, e.g. the test suite'
 wins; else MODEL_DIR/compilation_cache, which a pod's hosts share on gs:// (process 0 writes, as JAX does).
 
 JAX reads an entry it cannot use (a partial write, a corrupt file: entries are zlib-checksummed) as a
-miss: it warns, compiles, and the run goes on. A cache it cannot write to costs a warning, not the run.
+miss: it warns, compiles, and the run goes on. A cache directory that cannot be written (under a file, no
+permission) costs the start its cache, said once in the line after start-up, not the run.
 """
 import contextlib
 import dataclasses
+import os
 import threading
 from typing import Iterator, Optional
 
@@ -39,8 +41,10 @@ def cache_dir(setting: Optional[str], model_dir: str) -> Optional[str]:
 
 @dataclasses.dataclass
 class Compiles:
-  """Executables the run needed so far: `loaded` from the cache, the rest `compiled`."""
+  """Executables the run needed so far: `loaded` from the cache, the rest `compiled`; `unwritable`: why the
+  directory set could not be used (the cache is then off: `directory` None)."""
   directory: Optional[str]
+  unwritable: Optional[str] = None
   requested: int = 0
   loaded: int = 0
   untraced: int = 0  # of those loaded, how many without tracing them (the train step: pretrain.step_cache)
@@ -53,6 +57,8 @@ class Compiles:
     return self.requested - self.loaded
 
   def line(self) -> str:
+    if self.unwritable:
+      return f"no compilation cache ({self.unwritable}): {self.compiled} programs compiled"
     if self.directory is None:
       return f"no compilation cache (COMPILATION_CACHE_DIR={OFF!r}): {self.compiled} programs compiled"
     untraced = f" ({self.untraced} untraced)" if self.untraced else ""
@@ -68,7 +74,10 @@ def used(setting: Optional[str], model_dir: str) -> Iterator[Compiles]:
   Compiles counts them. JAX's settings are put back after."""
   directory = cache_dir(setting, model_dir)
   saved = {name: getattr(jax.config, name) for name in _SETTINGS}
-  compiles = Compiles(directory)
+  unwritable = _unwritable(directory) if directory is not None else None
+  if unwritable:
+    directory = None
+  compiles = Compiles(directory, unwritable)
 
   def count(event: str, *_, **__) -> None:
     if event == COMPILE_REQUEST:
@@ -105,6 +114,20 @@ def hits_in_this_thread() -> Iterator[list]:
     yield hits
   finally:
     jax.monitoring.unregister_event_listener(heard)
+
+
+def _unwritable(directory: str) -> Optional[str]:
+  """Why a file cannot be written in `directory` (made if missing), or None: JAX would warn at every entry, and
+  say nothing of a cache that stays empty."""
+  probe = epath.Path(directory) / f".write-check-{os.getpid()}-{threading.get_ident()}"
+  try:
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"")
+    probe.unlink()
+  except Exception as e:  # local, TensorFlow's and gcsfs's errors alike: the cache is only unusable
+    why = getattr(e, "strerror", None) or (str(e).strip().splitlines() or [""])[0]  # not the probe's own name
+    return f"{directory} cannot be written: {type(e).__name__}: {why}"
+  return None
 
 
 def _configure(directory: Optional[str], settings: dict) -> None:

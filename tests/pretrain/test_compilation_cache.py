@@ -2,7 +2,10 @@
 (`pretrain.step_cache`): a resumed run compiles nothing and does not trace its train step, a changed setting
 compiles and caches its own programs, on local disk and on Cloud Storage, and a damaged entry is compiled again
 with a warning. Counted with JAX's compile and cache-hit events and the train step's traces, not timed."""
+import re
 import shutil
+import subprocess
+import warnings
 
 import jax
 import pytest
@@ -115,6 +118,26 @@ def test_a_damaged_entry_is_compiled_again_with_a_warning(first_run, tmp_path):
     again = cached_run(tmp_path / "run", tmp_path / "cache", 2)  # the first run's programs
   assert len([w for w in warned if "persistent compilation cache" in str(w.message)]) == 2
   assert again["compiled"] == 2 and again["loaded"] == first["compiled"] - 2, again
+
+
+def test_a_cache_that_cannot_be_written_costs_the_start_its_cache_said_in_one_line(tmp_path, capsys):
+  """The cache's directory made immutable (root's writes refused too): the run compiles everything, JAX is given no
+  cache to warn about at each entry, and the line after start-up says why, not that the programs were cached."""
+  cache = tmp_path / "cache"
+  cache.mkdir()
+  subprocess.run(["chattr", "+i", str(cache)], check=True, capture_output=True)
+  try:
+    with warnings.catch_warnings():
+      # JAX's warning about a cache entry it could not write or read would fail the run.
+      warnings.filterwarnings("error", message=".*persistent compilation cache")
+      summary = cached_run(tmp_path / "run", cache, 1)
+  finally:
+    subprocess.run(["chattr", "-i", str(cache)], check=True, capture_output=True)
+  assert summary["steps"] == 1 and summary["loaded"] == 0 and summary["compiled"] > 0, summary
+  assert list(cache.iterdir()) == []
+  [line] = [line for line in capsys.readouterr().out.splitlines() if "compilation cache" in line]
+  assert re.fullmatch(rf"no compilation cache \({cache} cannot be written: PermissionError: Operation not permitted\): "
+                      r"\d+ programs compiled", line), line
 
 
 def test_on_cloud_storage_a_changed_setting_compiles_what_changed_and_loads_the_rest(first_run, gcs_bucket,

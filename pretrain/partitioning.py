@@ -46,6 +46,8 @@ def resolve_mesh_shape(mesh_shape: Mapping[str, int], num_devices: int) -> Dict[
   if unknown:
     raise ConfigError(f"MESH_SHAPE has unknown axes {sorted(unknown)}; expected some of {MESH_AXES}")
   shape = {axis: int(mesh_shape.get(axis, 1)) for axis in MESH_AXES}
+  if any(size < 1 and size != -1 for size in shape.values()):  # 0 would divide by zero, two negatives multiply
+    raise ConfigError(f"MESH_SHAPE={dict(mesh_shape)}: each axis's size must be at least 1, or -1 for the devices left")
   free = [axis for axis, size in shape.items() if size == -1]
   if len(free) > 1:
     raise ConfigError(f"MESH_SHAPE={dict(mesh_shape)}: at most one axis may be -1")

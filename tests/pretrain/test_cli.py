@@ -36,6 +36,7 @@ XLNET_RUN = "--gin_file=gin_configs/runs/xlnet_tiny_demo.gin"
     ([XLNET_RUN, "--gin_file=gin_configs/models/bert_tiny.gin"],
      "the bert family trains on bert_mlm_nsp examples, the task gives xlnet_plm examples"),
     ([BERT_RUN, "--gin.MESH_SHAPE={'data': 3}"], "MESH_SHAPE={'data': 3} needs 3 devices, have 1"),
+    ([BERT_RUN, "--gin.MESH_SHAPE={'data': 0, 'model': -1}"], "each axis's size must be at least 1, or -1 for the"),
     ([BERT_RUN, "--gin.MICROBATCH_ROWS_PER_GROUP=3"], "MICROBATCH_ROWS_PER_GROUP=3 does not divide the 32 rows"),
     ([BERT_RUN, "--gin.MICROBATCH_ROWS_PER_GROUP=8", "--gin.MICROBATCHES=2"],
      "MICROBATCHES=2 and MICROBATCH_ROWS_PER_GROUP=8: set one of them"),

@@ -24,10 +24,15 @@ def main(argv) -> None:
   import jax
 
   from pretrain import trainer  # after gin parsing: imports are slow, errors above are not
-  summary = trainer.train(**cli.bound_arguments(trainer.train))
+  arguments = cli.bound_arguments(trainer.train)
+  summary = trainer.train(**arguments)
   if jax.process_index() == 0 and not summary["preempted"]:
-    print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, "
-          f"last {summary['last_loss']}; checkpoints in {summary['checkpoint_dir']}{_goodput(summary['goodput'])}")
+    if summary["first_loss"] is None:  # the checkpoint it resumed from had reached TRAIN_STEPS
+      print(f"done: nothing to train, the checkpoint is at step {summary['steps']} and TRAIN_STEPS="
+            f"{arguments['train_steps']} (raise TRAIN_STEPS to train on); checkpoints in {summary['checkpoint_dir']}")
+    else:
+      print(f"done: {summary['steps']} steps; first logged loss {summary['first_loss']}, last {summary['last_loss']}; "
+            f"checkpoints in {summary['checkpoint_dir']}{_goodput(summary['goodput'])}")
 
 
 def _goodput(shares) -> str:

@@ -4,16 +4,18 @@ in tests/pretrain/test_multihost.py; BERT's after a preemption, in tests/reliabi
 import json
 import re
 
+import gin
 import numpy as np
 import pytest
 
-from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, logged_losses, train
+from helpers import EIGHT_DEVICE_STEPS, SMALL_BERT, logged_losses, small_bert_flags, train
 from data_pipelines import vocab
+from pretrain import train as train_program
 
 pytestmark = pytest.mark.starts_first  # a long module (tests/conftest.py)
 
 
-def test_loss_falls_and_outputs_are_written(tmp_path, capsys):
+def test_loss_falls_outputs_are_written_and_the_finished_run_started_again_trains_nothing(tmp_path, capsys):
   train("bert_tiny_demo", tmp_path, 60, SMALL_BERT + ["LOG_EVERY_STEPS = 5", "CHECKPOINT_EVERY_STEPS = 30",
                                                       "PROFILE_STEPS = (11, 12)"])
   losses = logged_losses(tmp_path)
@@ -32,6 +34,12 @@ def test_loss_falls_and_outputs_are_written(tmp_path, capsys):
   summary = capsys.readouterr().out
   assert re.search(r"device time per step [\d.]+ ms in \d+ kernels; top 15 of \d+ sources", summary), summary
   assert re.search(r"^\s+[\d.]+\s+[\d.]+%\s+\d+\s+(forward |backward) encoder/layer_\*/", summary, re.M), summary
+  gin.clear_config()  # the command again, or an older one's, through the program's main
+  train_program.main(["pretrain.train", *small_bert_flags(tmp_path, 50)])
+  assert capsys.readouterr().out.splitlines()[-1] == (
+      "done: nothing to train, the checkpoint is at step 60 and TRAIN_STEPS=50 (raise TRAIN_STEPS to train on); "
+      f"checkpoints in {tmp_path}/checkpoints")
+  assert logged_losses(tmp_path) == losses
 
 
 def test_a_start_traces_the_train_step_first_and_its_model_in_one_thread_at_a_time(tmp_path, model_traces_at_once,

@@ -22,7 +22,7 @@ from data_pipelines import features, input_pipeline, tasks
 FLAGS = flags.FLAGS
 flags.DEFINE_string("task", None, "Registered task or mixture, e.g. demo_bert_mlm_nsp.")
 flags.DEFINE_string("split", "train", "Dataset split.")
-flags.DEFINE_integer("num_examples", 3, "How many examples to print.")
+flags.DEFINE_integer("num_examples", 3, "How many examples to print; -1: all of the split.", lower_bound=-1)
 flags.DEFINE_enum("format", "text", ["text", "jsonl"], "Output format.")
 flags.DEFINE_integer("seed", 0, "Seed of the objective's randomness (pairing, masking).")
 flags.DEFINE_string("feature_lengths", None, "NAME=LENGTH,... (default: small lengths for the task's objective).")

@@ -149,7 +149,7 @@ def run_program(main, program: str) -> None:
     except user_errors as error:
       if os.environ.get("POD_PRETRAIN_DEBUG"):
         raise
-      sys.exit(f"{program}: error: {str(error).strip().splitlines()[0]}")
+      sys.exit(f"{program}: error: {(str(error).strip().splitlines() or [type(error).__name__])[0]}")
 
   run_absl(main_with_one_line_errors)
 

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Sequence
 import numpy as np
 import tensorflow as tf
 
-from data_pipelines.token_files import TokenFile
+from data_pipelines.token_files import DamagedFile, TokenFile
 
 
 class RowStreams:
@@ -61,12 +61,23 @@ class RowStreams:
               "backward": tf.bool, "seed": tf.int64}
     keys = list(dtypes)
 
+    shapes = {"backward": [len(rows)], "seed": [len(rows), 2]}
+    shapes = {k: shapes.get(k, [len(rows), self.window_len]) for k in keys}
+
+    def read_or_say_why(step: int) -> list:
+      """The step's values and '', or zeros and why the file cannot give them. A damaged file is told through
+      the graph: an error raised in here would reach the log with its Python traceback, once per reader."""
+      try:
+        return [*self.read(rows, step).values(), ""]
+      except DamagedFile as e:
+        return [*(np.zeros(shapes[k], dtypes[k].as_numpy_dtype) for k in keys), str(e)]
+
     def read_step(step):
       # stateful: it reads files, so tf.data must not run it in parallel with itself
-      values = tf.numpy_function(lambda s: list(self.read(rows, int(s)).values()), [step], [dtypes[k] for k in keys],
-                                 stateful=True)
-      shapes = {"backward": [len(rows)], "seed": [len(rows), 2]}
-      return {k: tf.ensure_shape(v, shapes.get(k, [len(rows), self.window_len])) for k, v in zip(keys, values)}
+      *values, damage = tf.numpy_function(lambda s: read_or_say_why(int(s)), [step],
+                                          [dtypes[k] for k in keys] + [tf.string], stateful=True)
+      with tf.control_dependencies([tf.debugging.Assert(tf.equal(damage, ""), [damage])]):
+        return {k: tf.ensure_shape(v, shapes[k]) for k, v in zip(keys, values)}
 
     @tf.autograph.experimental.do_not_convert
     def make_example(element):

@@ -29,6 +29,10 @@ _BYTES_PER_TOKEN = 4
 _WRITE_CHUNK_TOKENS = 1 << 20
 
 
+class DamagedFile(ValueError):
+  """A token part that does not hold what its info.json says: cut short, or ids outside the vocabulary."""
+
+
 def part_name(index: int, count: int) -> str:
   return f"tokens-{index:05d}-of-{count:05d}.int32"
 
@@ -140,6 +144,7 @@ class TokenFile:
       self.info = json.load(f)
     self.directory = directory
     self.size = int(self.info["tokens"])
+    self.vocab_size = int(self.info["vocab_size"])
     if self.size < 1:  # rows read it around and around: an empty one would give no window
       raise NoExamples(f"{directory} holds no tokens ({INFO_FILE}): tokenize text that has some")
     counts = [part["tokens"] for part in self.info["parts"]]
@@ -155,9 +160,17 @@ class TokenFile:
     f.seek(offset * _BYTES_PER_TOKEN)
     data = f.read(count * _BYTES_PER_TOKEN)
     if len(data) != count * _BYTES_PER_TOKEN:
-      raise ValueError(f"{self._paths[part]} is shorter than its {INFO_FILE} says: read {len(data)} bytes at "
+      raise DamagedFile(f"{self._paths[part]} is shorter than its {INFO_FILE} says: read {len(data)} bytes at "
                        f"{offset * _BYTES_PER_TOKEN}, wanted {count * _BYTES_PER_TOKEN}; tokenize it again")
-    return np.frombuffer(data, "<i4")
+    tokens = np.frombuffer(data, "<i4")
+    # A stored token is an id or its complement (-id - 1): anything outside [-vocab_size, vocab_size) is damage.
+    outside = np.flatnonzero((tokens < -self.vocab_size) | (tokens >= self.vocab_size))
+    if outside.size:
+      stored = int(tokens[outside[0]])
+      raise DamagedFile(f"{self._paths[part]} is damaged: its token {offset + int(outside[0])} reads as id "
+                       f"{~stored if stored < 0 else stored}, outside the vocabulary of {self.vocab_size} ids "
+                       f"({outside.size} such in the {count} read); tokenize it again")
+    return tokens
 
   def read(self, start: int, count: int) -> np.ndarray:
     """`count` stored tokens from position `start`, around the end to the beginning as often as needed."""

@@ -192,7 +192,7 @@ class Saver:
       except WRITE_ERRORS as e:
         failure = _described(e)
     raise TrainingStopped(f"cannot write checkpoints in {where} ({failure}): the train state of step "
-                          f"{step} is NOT saved; the newest saved checkpoint is step {_newest_step(where)}. "
+                          f"{step} is NOT saved; the newest saved checkpoint is step {newest_step(where)}. "
                           "Fix the storage (space, permissions), then resume")
 
   def _reopen(self) -> None:
@@ -203,7 +203,8 @@ class Saver:
     self.manager = make_manager(self.model_dir, self.max_to_keep)
 
 
-def _newest_step(directory: epath.Path):
+def newest_step(directory: epath.Path) -> Optional[int]:
+  """The highest step with a directory of its own in a checkpoint directory, or None."""
   steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
   return max(steps) if steps else None
 

@@ -17,7 +17,7 @@ from data_pipelines import input_pipeline, tasks
 from models import layers
 from pretrain import (checkpoints, compilation_cache, goodput_events, lease, optimizers, partitioning, run_files,
                       signals, step_cache, steps)
-from pretrain.errors import ConfigError, TrainingStopped, user_settings
+from pretrain.errors import ConfigError, TrainingStopped, one_line, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
 from pretrain.profiling import StepProfiler
@@ -142,6 +142,16 @@ def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, m
       "or raise WARMUP_STEPS, then resume")
 
 
+def _input_failed(error: Exception, step: int, saved: bool, model_dir: str) -> TrainingStopped:
+  """The stop after the train input failed to make the batch of step `step + 1`; `saved`: step `step` was saved."""
+  where = checkpoints.checkpoint_dir(model_dir)
+  newest = checkpoints.newest_step(where)
+  kept = (f"saved step {step}" if saved else "no checkpoint yet" if newest is None
+          else f"the newest checkpoint is step {newest}")
+  return TrainingStopped(f"the train input failed to make the batch of step {step + 1} ({type(error).__name__}: "
+                         f"{one_line(error)}); {kept} in {where}. Mend the input, then resume")
+
+
 class _Background:
   """`work()`, called in a thread of its own; `result()` waits for its value or raises its error. The thread is a
   daemon: a read that hangs does not keep the process from ending. But a process must not end while the thread
@@ -189,7 +199,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   at the step they agree on, and return; the same command resumes there. A damaged newest checkpoint
   is set aside for the newest intact one; a checkpoint that storage refuses is written again
   (`save_attempts`); another live run on model_dir stops this one before it starts (`pretrain.lease`).
-  SIGTERM or Ctrl-C before the first step stops the run, saying where it was (`pretrain.signals`).
+  SIGTERM or Ctrl-C before the first step stops the run, saying where it was (`pretrain.signals`). An input
+  that fails to make a batch stops the run too, after saving the step reached where one process runs alone.
 
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
@@ -304,7 +315,11 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                     overall_seconds=compiling[0].seconds, untraced=untraced)
       profiler.use_program(step_fn)
       signals.at("waiting for the first batch")
-      batch = partitioning.global_batch(first_batch.result(), mesh)
+      try:
+        host_batch = first_batch.result()
+      except Exception as e:
+        raise _input_failed(e, step, saved=False, model_dir=model_dir) from e
+      batch = partitioning.global_batch(host_batch, mesh)
     signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
     say(compiles.line())
@@ -350,7 +365,20 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         # Onto the devices while this step runs; only now, after any save of this step: a checkpoint holds
         # the data iterator, which must stand after this step's batch, not the next one's.
         with throughput.waiting_for_input():
-          batch = partitioning.global_batch(next(train_iterator), mesh)
+          try:
+            host_batch = next(train_iterator)
+          except Exception as e:
+            # Alone, this process keeps the steps since the last checkpoint; with others it cannot: they are
+            # in the next step's collectives, not in a save.
+            alone = jax.process_count() == 1
+            if alone:
+              finish(*unread)
+              with events.timed("save", step=step):
+                if step % checkpoint_every_steps:  # else saved just above
+                  saver.save(step, state)
+                saver.finish(step, state)
+            raise _input_failed(e, step, saved=alone, model_dir=model_dir) from e
+          batch = partitioning.global_batch(host_batch, mesh)
     if unread:
       finish(*unread)
     with events.timed("save", step=step):

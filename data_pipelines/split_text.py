@@ -5,11 +5,16 @@
 Text sources shard by file: with fewer files than data shards (XLNet has one per batch row, 8192
 at batch 8192) every shard reads the whole corpus and keeps its share. This writes
 OUTPUT_DIR/part-<i>-of-<N>.txt (local or gs://): consecutive documents in input order, about
-1/N of the bytes each, cut only between documents (a blank line ends a document, as everywhere).
+1/N of the bytes each, cut only between documents (a blank line ends a document, as everywhere). A split
+that stops part way (an error, Ctrl-C) removes the parts it wrote: the directory is then ready for a rerun.
 """
 from data_pipelines import startup  # first, before TensorFlow and JAX load: they start quietly
 
+import contextlib
+
 from absl import flags
+from etils import epath
+from tqdm import tqdm
 
 from data_pipelines import storage
 
@@ -54,20 +59,33 @@ def split_text(pattern: str, output_dir: str, num_files: int) -> int:
     raise ValueError(f"--output_dir={output_dir!r} is not empty: parts of another split would mix with these")
   storage.makedirs(output_dir)
   index, out, read_before = 0, None, 0
-  for lines, read in documents(paths):
-    # The next part starts once the input read so far covers this part's share (cumulative, so errors don't add up).
-    if out is None or (read_before >= total * (index + 1) / num_files and index + 1 < num_files):
-      if out is not None:
+  bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"split_text -> {num_files} files")
+  try:
+    for lines, read in documents(paths):
+      bar.update(read - read_before)
+      # The next part starts once the input read so far covers this part's share (cumulative, so errors don't
+      # add up).
+      if out is None or (read_before >= total * (index + 1) / num_files and index + 1 < num_files):
+        if out is not None:
+          out.close()
+          index += 1
+        out = storage.open_file(part_path(output_dir, index, num_files), "wb")
+      else:
+        out.write(b"\n")
+      out.write(b"".join(lines))
+      read_before = read
+    if out is None:
+      return 0
+    out.close()
+  except BaseException:  # an error or a stop (Ctrl-C): the parts written so far would make a rerun refuse the directory
+    if out is not None:
+      with contextlib.suppress(Exception):  # the error may be the file's own
         out.close()
-        index += 1
-      out = storage.open_file(part_path(output_dir, index, num_files), "wb")
-    else:
-      out.write(b"\n")
-    out.write(b"".join(lines))
-    read_before = read
-  if out is None:
-    return 0
-  out.close()
+      for i in range(index + 1):
+        epath.Path(part_path(output_dir, i, num_files)).unlink(missing_ok=True)
+    raise
+  finally:
+    bar.close()
   written = index + 1
   if written < num_files:  # documents ran out: the names say how many parts there are
     for i in range(written):
@@ -86,4 +104,4 @@ def main():
 
 
 if __name__ == "__main__":
-  startup.run_program(main, "split_text")
+  startup.run_program(main, "split_text", interrupted="the parts written are removed")

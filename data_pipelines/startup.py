@@ -40,6 +40,7 @@ import glob
 import importlib.util
 import os
 import re
+import signal
 import sys
 import tempfile
 
@@ -127,13 +128,24 @@ def run_absl(main) -> None:
   app.run(main)
 
 
-def run_program(main, program: str) -> None:
+class _Stopped(KeyboardInterrupt):
+  """SIGTERM, raised in the main thread as Ctrl-C is, so that a program unwinds the same way for both."""
+
+
+def _raise_stopped(signum, frame):
+  raise _Stopped()
+
+
+def run_program(main, program: str, interrupted: str = "") -> None:
   """`run_absl` of a data program's `main()` (every input is a flag): what the user caused ends it with one
   line, `PROGRAM: error: MESSAGE`, and exit code 1. That is an argument that is not a flag, a ValueError (a
   setting's value, an unknown task), or a path that is missing, not a directory or not writable (OSError,
   or TensorFlow's file system's errors). Anything else is a bug, and keeps its traceback, as does
   everything with POD_PRETRAIN_DEBUG=1. The programs print their own progress, so the libraries' INFO logs
-  (seqio's "TaskRegistry has 0 tasks") are shown only with --verbosity=0."""
+  (seqio's "TaskRegistry has 0 tasks") are shown only with --verbosity=0.
+
+  Ctrl-C or SIGTERM unwinds `main` (which removes what it was writing) and ends the program with one line,
+  `PROGRAM: stopped by Ctrl-C: INTERRUPTED` (what is left of its output), and exit code 130 or 143."""
   import tensorflow as tf
   from absl import flags, logging
   user_errors = (ValueError, OSError, tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
@@ -142,6 +154,7 @@ def run_program(main, program: str) -> None:
   def main_with_one_line_errors(argv):
     if not flags.FLAGS["verbosity"].present:
       logging.set_verbosity(logging.WARNING)
+    signal.signal(signal.SIGTERM, _raise_stopped)
     try:
       if len(argv) > 1:
         raise ValueError(f"unexpected arguments {argv[1:]}: every input is a --flag")
@@ -150,6 +163,13 @@ def run_program(main, program: str) -> None:
       if os.environ.get("POD_PRETRAIN_DEBUG"):
         raise
       sys.exit(f"{program}: error: {(str(error).strip().splitlines() or [type(error).__name__])[0]}")
+    except KeyboardInterrupt as stop:
+      by = signal.SIGTERM if isinstance(stop, _Stopped) else signal.SIGINT
+      print(f"{program}: stopped by {'SIGTERM' if by == signal.SIGTERM else 'Ctrl-C'}"
+            f"{': ' + interrupted if interrupted else ''}", file=sys.stderr)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(128 + by)  # now: a library's thread may still be in native code (sentencepiece's training)
 
   run_absl(main_with_one_line_errors)
 

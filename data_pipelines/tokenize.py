@@ -64,4 +64,5 @@ def main():
 
 
 if __name__ == "__main__":
-  startup.run_program(main, "tokenize")
+  startup.run_program(main, "tokenize", interrupted="the parts written are kept (the part being written is removed): "
+                      "the same command continues from them")

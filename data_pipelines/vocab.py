@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import glob
 import io
+import threading
 
 import numpy as np
 import sentencepiece as spm
@@ -46,13 +47,32 @@ def train_sentencepiece(input_files, vocab_size: int, output_prefix: str, model_
   path = epath.Path(output_prefix + ".model")
   path.parent.mkdir(parents=True, exist_ok=True)  # before training: an output that cannot be made fails first
   model = io.BytesIO()
-  spm.SentencePieceTrainer.train(
+  _waiting_in_python(lambda: spm.SentencePieceTrainer.train(
       input=files, model_writer=model, vocab_size=vocab_size, model_type=model_type,
       pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=BOS_ID,
       user_defined_symbols=list(USER_SYMBOLS), character_coverage=1.0,
-      input_sentence_size=max_sentences, shuffle_input_sentence=True, minloglevel=2)
+      input_sentence_size=max_sentences, shuffle_input_sentence=True, minloglevel=2))
   path.write_bytes(model.getvalue())
   return str(path)
+
+
+def _waiting_in_python(work) -> None:
+  """Runs `work()` in a thread and waits for it here. A signal's handler runs only in the main thread, between
+  Python bytecodes: in sentencepiece's native training a Ctrl-C would wait for the training's end (minutes),
+  while a wait on a thread is cut short by it."""
+  failed = []
+
+  def run():
+    try:
+      work()
+    except BaseException as e:  # raised again in the waiting thread
+      failed.append(e)
+
+  thread = threading.Thread(target=run, daemon=True, name="sentencepiece-training")
+  thread.start()
+  thread.join()
+  if failed:
+    raise failed[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,6 +135,7 @@ def main():
   files = sorted(glob.glob(FLAGS.input))
   if not files:
     raise ValueError(f"--input={FLAGS.input!r} matches no files")
+  print(f"training a {FLAGS.vocab_size}-piece {FLAGS.model_type} vocabulary on {len(files)} file(s)", flush=True)
   try:
     path = train_sentencepiece(files, FLAGS.vocab_size, FLAGS.output, FLAGS.model_type)
   except RuntimeError as e:  # sentencepiece reports bad settings (e.g. vocab too large) this way
@@ -124,4 +145,4 @@ def main():
 
 if __name__ == "__main__":
   define_flags()
-  startup.run_program(main, "vocab")
+  startup.run_program(main, "vocab", interrupted="no vocabulary was written")

@@ -61,8 +61,7 @@ class RowStreams:
               "backward": tf.bool, "seed": tf.int64}
     keys = list(dtypes)
 
-    shapes = {"backward": [len(rows)], "seed": [len(rows), 2]}
-    shapes = {k: shapes.get(k, [len(rows), self.window_len]) for k in keys}
+    shapes = {k: {"backward": [len(rows)], "seed": [len(rows), 2]}.get(k, [len(rows), self.window_len]) for k in keys}
 
     def read_or_say_why(step: int) -> list:
       """The step's values and '', or zeros and why the file cannot give them. A damaged file is told through

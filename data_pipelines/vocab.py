@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import glob
 import io
-import threading
 
 import numpy as np
 import sentencepiece as spm
@@ -21,6 +20,7 @@ from etils import epath
 from google.protobuf import message
 
 from data_pipelines import storage
+from data_pipelines.background import Background
 from data_pipelines.pieces import BOS_ID, EOS_ID, FIRST_NORMAL_ID, PAD_ID, UNK_ID  # noqa: F401 (the vocabulary's ids)
 CLS_PIECE, SEP_PIECE, MASK_PIECE = "[CLS]", "[SEP]", "[MASK]"
 USER_SYMBOLS = (CLS_PIECE, SEP_PIECE, MASK_PIECE)
@@ -47,32 +47,15 @@ def train_sentencepiece(input_files, vocab_size: int, output_prefix: str, model_
   path = epath.Path(output_prefix + ".model")
   path.parent.mkdir(parents=True, exist_ok=True)  # before training: an output that cannot be made fails first
   model = io.BytesIO()
-  _waiting_in_python(lambda: spm.SentencePieceTrainer.train(
+  # in a thread: in the main thread, sentencepiece's native training would hold a Ctrl-C until it ends
+  training = Background(lambda: spm.SentencePieceTrainer.train(
       input=files, model_writer=model, vocab_size=vocab_size, model_type=model_type,
       pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=BOS_ID,
       user_defined_symbols=list(USER_SYMBOLS), character_coverage=1.0,
-      input_sentence_size=max_sentences, shuffle_input_sentence=True, minloglevel=2))
+      input_sentence_size=max_sentences, shuffle_input_sentence=True, minloglevel=2), name="sentencepiece-training")
+  training.result()
   path.write_bytes(model.getvalue())
   return str(path)
-
-
-def _waiting_in_python(work) -> None:
-  """Runs `work()` in a thread and waits for it here. A signal's handler runs only in the main thread, between
-  Python bytecodes: in sentencepiece's native training a Ctrl-C would wait for the training's end (minutes),
-  while a wait on a thread is cut short by it."""
-  failed = []
-
-  def run():
-    try:
-      work()
-    except BaseException as e:  # raised again in the waiting thread
-      failed.append(e)
-
-  thread = threading.Thread(target=run, daemon=True, name="sentencepiece-training")
-  thread.start()
-  thread.join()
-  if failed:
-    raise failed[0]
 
 
 @functools.lru_cache(maxsize=None)

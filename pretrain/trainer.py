@@ -14,6 +14,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from data_pipelines import input_pipeline, tasks
+from data_pipelines.background import Background
 from models import layers
 from pretrain import (checkpoints, compilation_cache, goodput_events, lease, optimizers, partitioning, run_files,
                       signals, step_cache, steps)
@@ -152,37 +153,6 @@ def _input_failed(error: Exception, step: int, saved: bool, model_dir: str) -> T
                          f"{one_line(error)}); {kept} in {where}. Mend the input, then resume")
 
 
-class _Background:
-  """`work()`, called in a thread of its own; `result()` waits for its value or raises its error. The thread is a
-  daemon: a read that hangs does not keep the process from ending. But a process must not end while the thread
-  is in native code that returns to Python (an XLA compile: Python's exit would abort it), so `result()` or
-  `wait()` is called before any ordinary exit."""
-
-  def __init__(self, work: Callable[[], Any], name: str):
-    self._value, self._error, self._done = None, None, threading.Event()
-    self.seconds = 0.0  # what work() took
-    threading.Thread(target=self._run, args=(work,), daemon=True, name=name).start()
-
-  def _run(self, work) -> None:
-    began = time.time()
-    try:
-      self._value = work()
-    except BaseException as e:  # given to the caller of result()
-      self._error = e
-    finally:
-      self.seconds = time.time() - began
-      self._done.set()
-
-  def wait(self) -> None:
-    self._done.wait()  # a signal's handler still runs (and may raise) while this waits
-
-  def result(self):
-    self.wait()
-    if self._error is not None:
-      raise self._error
-    return self._value
-
-
 @signals.handled
 def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_feature_lengths: Mapping[str, int],
           batch_size: int, train_steps: int, mesh_shape: Mapping[str, int], optimizer: optax.GradientTransformation,
@@ -254,7 +224,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     # The train step compiles beside the state's restore or init: it needs only their shapes and shardings.
     # Its trace goes first: its compile is the longer way to the first step, and the state's trace beside it
     # would only share Python's lock with it.
-    compiling: List[_Background] = []
+    compiling: List[Background] = []
     waited_for_trace = 0.0
 
     def compile_beside(step_loaded: int) -> None:
@@ -270,7 +240,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         finally:
           traced.set()
 
-      compiling.append(_Background(compile_step, name="train-step-compile"))
+      compiling.append(Background(compile_step, name="train-step-compile"))
       began = time.time()
       traced.wait()
       waited_for_trace = time.time() - began
@@ -305,7 +275,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
     if step < train_steps:
       # The first batch's start-up (reading, tokenizing, filling the shuffle buffers) happens once, while the
       # step compiles (each mostly in native code, on a core of its own), and is not counted as waiting.
-      first_batch = _Background(lambda: next(train_iterator), name="first-batch")
+      first_batch = Background(lambda: next(train_iterator), name="first-batch")
       signals.at("compiling the train step")
       waited = time.time()
       step_fn, untraced = compiling[0].result()

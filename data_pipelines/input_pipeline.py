@@ -192,7 +192,12 @@ class ShardIterators:
   Where a shard stands is saved in a file of its own (`shard_<index>_of_<count>`), so a run saved by N
   processes continues each shard's stream exactly on M processes, as long as the data shards are the
   same: the global batch is made of the same shards whichever process reads them.
+
+  A read that fails moves a tf.data iterator past what it was reading (the file, and the batch's examples
+  taken before it), so after a failure the position saved would skip them.
   """
+
+  position_survives_failure = False
 
   def __init__(self, iterators: Mapping[int, Iterator], num_shards: int):
     self.iterators, self.num_shards = dict(iterators), num_shards
@@ -236,9 +241,11 @@ class ShardIterators:
 
 class StepIterator:
   """Batches made from the step number alone (row streams): the data position is the number of batches
-  taken, one number for the whole run, written by process 0."""
+  taken, one number for the whole run, written by process 0. A batch that fails is not counted, so the
+  position saved after it makes that batch again."""
 
   FILE = "batches_taken.json"
+  position_survives_failure = True
 
   def __init__(self, batches_from: Callable[[int], tf.data.Dataset], write: bool):
     self._batches_from, self._write = batches_from, write

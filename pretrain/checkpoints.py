@@ -164,6 +164,14 @@ class Saver:
     """Waits for the last save; if it failed, saves this step now."""
     self._confirmed(self.manager.wait_until_finished, step, state)
 
+  def land(self) -> None:
+    """Waits for the last save, and never saves again: for a state whose data position has moved past its step.
+    A save that failed is left failed; `newest_step` tells what landed."""
+    try:
+      self.manager.wait_until_finished()
+    except WRITE_ERRORS:
+      pass
+
   def _save(self, step: int, state) -> None:
     save(self.manager, step, state, self.data_iterator, self.run_config)
 

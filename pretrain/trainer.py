@@ -143,14 +143,21 @@ def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, m
       "or raise WARMUP_STEPS, then resume")
 
 
-def _input_failed(error: Exception, step: int, saved: bool, model_dir: str) -> TrainingStopped:
+def _input_failed(error: Exception, step: int, model_dir: str, saved: bool = False, text_input: bool = False,
+                  resumed_from: int = 0) -> TrainingStopped:
   """The stop after the train input failed to make the batch of step `step + 1`; `saved`: step `step` was saved."""
   where = checkpoints.checkpoint_dir(model_dir)
   newest = checkpoints.newest_step(where)
   kept = (f"saved step {step}" if saved else "no checkpoint yet" if newest is None
           else f"the newest checkpoint is step {newest}")
+  note = ""
+  if text_input and newest is not None:
+    started = f"; this run resumed from step {resumed_from}" if resumed_from else ""
+    note = (" (tf.data saves the batches a text input has read ahead with its position, a failed read among them: "
+            "if a resume fails the same way once the input is mended, move the checkpoint it resumed from, and any "
+            f"newer, out of {where.name}/ and resume again{started})")
   return TrainingStopped(f"the train input failed to make the batch of step {step + 1} ({type(error).__name__}: "
-                         f"{one_line(error)}); {kept} in {where}. Mend the input, then resume")
+                         f"{one_line(error)}); {kept} in {where}{note}. Mend the input, then resume")
 
 
 @signals.handled
@@ -170,7 +177,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   is set aside for the newest intact one; a checkpoint that storage refuses is written again
   (`save_attempts`); another live run on model_dir stops this one before it starts (`pretrain.lease`).
   SIGTERM or Ctrl-C before the first step stops the run, saying where it was (`pretrain.signals`). An input
-  that fails to make a batch stops the run too, after saving the step reached where one process runs alone.
+  that fails to make a batch stops the run too, after saving the step reached where one process runs alone
+  on an input whose position survives the failure (row streams).
 
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
@@ -271,6 +279,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         f"global batch {batch_size}, {jax.process_count()} process(es)")
 
     losses, step, preempted = [], int(state.step), False
+    start_step = step
     batch = None
     if step < train_steps:
       # The first batch's start-up (reading, tokenizing, filling the shuffle buffers) happens once, while the
@@ -288,7 +297,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       try:
         host_batch = first_batch.result()
       except Exception as e:
-        raise _input_failed(e, step, saved=False, model_dir=model_dir) from e
+        raise _input_failed(e, step, model_dir, text_input=not train_iterator.position_survives_failure,
+                            resumed_from=start_step) from e
       batch = partitioning.global_batch(host_batch, mesh)
     signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
@@ -338,16 +348,18 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
           try:
             host_batch = next(train_iterator)
           except Exception as e:
-            # Alone, this process keeps the steps since the last checkpoint; with others it cannot: they are
-            # in the next step's collectives, not in a save.
-            alone = jax.process_count() == 1
+            # Alone, this process keeps the steps since the last checkpoint where its data position still stands
+            # before the failed batch (row streams). With others it cannot: they are in the next step's
+            # collectives, not in a save.
+            alone, rows = jax.process_count() == 1, train_iterator.position_survives_failure
             if alone:
               finish(*unread)
               with events.timed("save", step=step):
-                if step % checkpoint_every_steps:  # else saved just above
+                if rows and step % checkpoint_every_steps:  # else saved just above
                   saver.save(step, state)
-                saver.finish(step, state)
-            raise _input_failed(e, step, saved=alone, model_dir=model_dir) from e
+                saver.finish(step, state) if rows else saver.land()
+            raise _input_failed(e, step, model_dir, saved=alone and rows, text_input=not rows,
+                                resumed_from=start_step) from e
           batch = partitioning.global_batch(host_batch, mesh)
     if unread:
       finish(*unread)

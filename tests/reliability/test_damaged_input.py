@@ -4,14 +4,19 @@ reached; once the file is mended the same command goes on exactly as a run that 
 
 Real token files written by data_pipelines.tokenize, a real bit flipped on disk, real orbax checkpoints."""
 import json
+from pathlib import Path
+import re
+import threading
+import time
 
 import gin
 import pytest
 
 from data_pipelines import tasks, token_files
 from data_pipelines.row_streams import RowStreams
-from helpers import logged_losses, run_here, train
+from helpers import SMALL_BERT, logged_losses, run_here, run_train, train
 from pretrain import cli, trainer
+from pretrain.errors import TrainingStopped
 from pretrain import train as train_program
 
 BINDINGS = [
@@ -20,6 +25,7 @@ BINDINGS = [
     "BATCH_SIZE = 4", "WARMUP_STEPS = 2", "LOG_EVERY_STEPS = 1", "CHECKPOINT_EVERY_STEPS = 2",
     "EVAL_EVERY_STEPS = 0", "VALIDATION_FILES = None", "optimizers.warmup_linear_decay.total_steps = 6"]
 DAMAGED_STEP = 5  # the first step whose batch reads the damaged token
+TEXT_STEPS = 200  # more than the text run takes to open a file after its files are removed
 
 
 def first_read_at(data_step, corpus_bindings) -> int:
@@ -75,3 +81,68 @@ def test_a_token_damaged_mid_run_saves_the_step_reached_and_the_mended_file_resu
   resumed, whole = logged_losses(tmp_path / "run"), logged_losses(tmp_path / "never_damaged")
   assert sorted(resumed) == list(range(1, 7))
   assert resumed == whole
+
+
+def test_text_files_lost_mid_run_stop_it_at_a_checkpoint_that_reads_them_again(tmp_path, capsys, demo_paths):
+  """A text input's tf.data iterator moves past a file that fails to read (and the batch it was making), so the
+  step reached is not saved; and the positions its iterators saved a few batches before the failure surfaced may
+  hold it (tf.data keeps its read-ahead, errors included), which the line says how to step past. Once the files
+  are back, the resume goes on exactly as a run that never lost them. The files are really removed mid-run."""
+  documents = Path(demo_paths["train"]).read_text().split("\n\n")[:480]
+  corpus, kept = tmp_path / "text", tmp_path / "kept"
+  corpus.mkdir()
+  kept.mkdir()
+  for index in range(16):  # many small files, so that the input opens one every few steps
+    (corpus / f"part-{index:02d}.txt").write_text("\n\n".join(documents[index::16]) + "\n")
+  bindings = [*SMALL_BERT, "LOG_EVERY_STEPS = 1", "CHECKPOINT_EVERY_STEPS = 3", f"TRAIN_FILES = '{corpus}/*.txt'",
+              f"VOCAB_MODEL = '{demo_paths['vocab_model']}'", "VALIDATION_FILES = None",
+              f"COMPILATION_CACHE_DIR = '{tmp_path}/cache'",
+              f"optimizers.warmup_linear_decay.total_steps = {TEXT_STEPS}"]
+  run = tmp_path / "run"
+  checkpoint_dir = run / "checkpoints"
+
+  def remove_the_files_once_step_3_is_saved():  # its metrics are written after its save, once step 4 is under way
+    while not (run / "metrics.jsonl").exists() or max(logged_losses(run), default=0) < 3:
+      if stopped.is_set():
+        return
+      time.sleep(0.05)
+    for part in corpus.iterdir():
+      part.rename(kept / part.name)
+
+  stopped = threading.Event()
+  remover = threading.Thread(target=remove_the_files_once_step_3_is_saved)
+  remover.start()
+  try:
+    code, last = run_train(capsys, run, "--gin_file=gin_configs/runs/bert_tiny_demo.gin",
+                           *[f"--gin_bindings={b}" for b in bindings], f"--gin.TRAIN_STEPS={TEXT_STEPS}")
+  finally:
+    stopped.set()
+    remover.join()
+  assert code == 1 and not list(corpus.iterdir()), last
+  failed = int(re.search(r"failed to make the batch of step (\d+) \(NotFoundError: .*part-\d\d\.txt", last).group(1))
+  newest = (failed - 1) // 3 * 3  # the step reached is never saved, unless a checkpoint was due there
+  assert 3 < failed < TEXT_STEPS - 2, last
+  assert max(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit()) == newest, last
+  advice = ("(tf.data saves the batches a text input has read ahead with its position, a failed read among them: if "
+            "a resume fails the same way once the input is mended, move the checkpoint it resumed from, and any "
+            "newer, out of checkpoints/ and resume again")
+  assert last.endswith(f"the newest checkpoint is step {newest} in {checkpoint_dir} {advice}). Mend the input, "
+                       "then resume"), last
+
+  for part in kept.iterdir():
+    part.rename(corpus / part.name)
+  end = failed + 1
+  set_aside = 0
+  while True:  # as the line says; checkpoint 3 was saved before the files went
+    try:
+      train("bert_tiny_demo", run, end, bindings)
+      break
+    except TrainingStopped as e:
+      assert f"{advice}; this run resumed from step {newest})" in str(e) and newest > 3, str(e)
+      for step in [int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit() and int(p.name) >= newest]:
+        (checkpoint_dir / str(step)).rename(tmp_path / f"set_aside_{step}_{set_aside}")
+      newest, set_aside = newest - 3, set_aside + 1
+  print(f"failed at step {failed}; {set_aside} checkpoint(s) set aside; resumed from step {newest}")
+  train("bert_tiny_demo", tmp_path / "never_lost", end, bindings)
+  resumed, whole = logged_losses(run), logged_losses(tmp_path / "never_lost")
+  assert [resumed[s] for s in range(newest + 1, end + 1)] == [whole[s] for s in range(newest + 1, end + 1)]

@@ -47,7 +47,7 @@ def one_line(error: BaseException) -> str:
   whole specs; TensorFlow wraps its ops' messages in '{{function_node ...}} ... [Op:...]' and tf.data's in
   where they came from."""
   text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  text = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\]$", "", text.strip())
+  text = re.sub(r"^\{\{function_node [^}]*\}\}\s*|\s*\[Op:\w+\](\s+name:\s*\S*)?$", "", text.strip())
   # tf.data names the transformation and iterator an error came from, and tf.debugging.Assert brackets its data
   text = re.sub(r"^Error in user-defined function passed to \S+ transformation with iterator: \S+: ", "", text)
   text = re.sub(r"^assertion failed: \[(.*)\]$", r"\1", text)

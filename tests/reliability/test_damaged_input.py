@@ -14,9 +14,9 @@ import pytest
 
 from data_pipelines import tasks, token_files
 from data_pipelines.row_streams import RowStreams
-from helpers import SMALL_BERT, logged_losses, run_here, run_train, train
+from helpers import SMALL_BERT, flip_a_bit, logged_losses, run_here, run_train, train
 from pretrain import cli, trainer
-from pretrain.errors import TrainingStopped
+from pretrain.errors import TrainingStopped, one_line
 from pretrain import train as train_program
 
 BINDINGS = [
@@ -146,3 +146,17 @@ def test_text_files_lost_mid_run_stop_it_at_a_checkpoint_that_reads_them_again(t
   train("bert_tiny_demo", tmp_path / "never_lost", end, bindings)
   resumed, whole = logged_losses(run), logged_losses(tmp_path / "never_lost")
   assert [resumed[s] for s in range(newest + 1, end + 1)] == [whole[s] for s in range(newest + 1, end + 1)]
+
+
+def test_a_corrupted_record_read_by_tf_data_is_told_in_one_line(tmp_path):
+  """TensorFlow's own message for a record whose checksum fails, a real bit flipped on disk, without its wrapping."""
+  import tensorflow as tf
+  path = str(tmp_path / "records.tfrecord")
+  with tf.io.TFRecordWriter(path) as writer:
+    for index in range(100):
+      writer.write(f"record {index} ".encode() * 20)
+  flip_a_bit(tmp_path / "records.tfrecord")
+  with pytest.raises(tf.errors.DataLossError) as failed:
+    for _ in tf.data.TFRecordDataset([path]).batch(4).prefetch(2):
+      pass
+  assert re.fullmatch(r"corrupted record at \d+", one_line(failed.value)), str(failed.value)

@@ -16,6 +16,7 @@ With `bi_data`, odd rows read the text of the row before them right to left.
 """
 import json
 import os
+import re
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import jax
@@ -23,10 +24,10 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from data_pipelines import example_check, sources, storage, tasks
+from data_pipelines import example_check, record_files, sources, storage, tasks
 from data_pipelines.feature_converters import FixedShapeFeatureConverter
 from data_pipelines.row_streams import RowStreams
-from data_pipelines.token_files import TokenFile
+from data_pipelines.token_files import DamagedFile, TokenFile
 
 REREAD_WARNING_BYTES = 2**30  # a host reading its text more than once beyond this is worth a warning
 
@@ -149,7 +150,14 @@ class InputPipeline:
       return StepIterator(lambda first_step: self.stream_batches(split, first_step, say).prefetch(2),
                           write=self.process_index == 0)
     datasets = self.shard_datasets(split, shuffle=True)
-    return ShardIterators({index: iter(ds.prefetch(2)) for index, ds in datasets.items()}, self.num_data_shards)
+    return ShardIterators({index: iter(ds.prefetch(2)) for index, ds in datasets.items()}, self.num_data_shards,
+                          record_paths=lambda: self._record_files(split))
+
+  def _record_files(self, split: str) -> List[str]:
+    """The record files (TFDS's) that the split's sources read; plain text files are not records."""
+    return [path for task in seqio.get_subtasks(self.task)
+            if not isinstance(task.source, sources.TextDocumentSource) and split in task.source.splits
+            for path in task.source.list_shards(split)]
 
   def take(self, split: str, num_batches: int):
     """The same first `num_batches` batches every call: a fixed held-out set for evaluation. Its pipeline is
@@ -199,14 +207,24 @@ class ShardIterators:
 
   position_survives_failure = False
 
-  def __init__(self, iterators: Mapping[int, Iterator], num_shards: int):
-    self.iterators, self.num_shards = dict(iterators), num_shards
+  def __init__(self, iterators: Mapping[int, Iterator], num_shards: int,
+               record_paths: Callable[[], Sequence[str]] = list):
+    """`record_paths`: where to look for a record that tf.data found corrupted, to name its file."""
+    self.iterators, self.num_shards, self.record_paths = dict(iterators), num_shards, record_paths
 
   def __iter__(self):
     return self
 
   def __next__(self) -> Dict[str, np.ndarray]:
-    batches = [next(iterator) for iterator in self.iterators.values()]
+    try:
+      batches = [next(iterator) for iterator in self.iterators.values()]
+    except tf.errors.DataLossError as e:
+      corrupted = re.search(r"corrupted record at (\d+)", str(e))
+      path = corrupted and record_files.corrupted_record_file(self.record_paths(), int(corrupted.group(1)))
+      if not path:
+        raise
+      raise DamagedFile(f"{path} is damaged: the record whose data starts at byte {corrupted.group(1)} fails its "
+                        "checksum; restore the file, or prepare the dataset again") from e
     if len(batches) == 1:
       return {k: np.asarray(v) for k, v in batches[0].items()}
     return {k: np.concatenate([np.asarray(b[k]) for b in batches]) for k in batches[0]}

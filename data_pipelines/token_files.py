@@ -30,7 +30,8 @@ _WRITE_CHUNK_TOKENS = 1 << 20
 
 
 class DamagedFile(ValueError):
-  """A token part that does not hold what its info.json says: cut short, or ids outside the vocabulary."""
+  """A data file that does not hold what it should: a token part cut short or with ids outside the vocabulary
+  (what its info.json says), a record whose checksum fails (`input_pipeline.ShardIterators`)."""
 
 
 def part_name(index: int, count: int) -> str:

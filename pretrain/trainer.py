@@ -357,7 +357,10 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
               with events.timed("save", step=step):
                 if rows and step % checkpoint_every_steps:  # else saved just above
                   saver.save(step, state)
-                saver.finish(step, state) if rows else saver.land()
+                if rows:
+                  saver.finish(step, state)
+                else:
+                  saver.land()
             raise _input_failed(e, step, model_dir, saved=alone and rows, text_input=not rows,
                                 resumed_from=start_step) from e
           batch = partitioning.global_batch(host_batch, mesh)

@@ -1,11 +1,12 @@
 """Text and TFDS sources on bad and unusual input, mixtures of them, and the vocabulary trainer's command line."""
 import re
+import shutil
 
 import numpy as np
 import pytest
 import sentencepiece as spm
 
-from helpers import assert_rate, restored, run_here, train
+from helpers import assert_rate, flip_a_bit, restored, run_here, run_train, train
 from data_pipelines import input_pipeline, sources, tasks, vocab
 
 LENGTHS = {"input_ids": 128, "masked_positions": 20}  # articles below are shorter: label-0 pairs stay whole
@@ -169,6 +170,47 @@ def test_a_run_trains_from_tfds_through_the_gin_switch(tiny_wiki_dir, demo_paths
       f"VOCAB_MODEL = '{demo_paths['vocab_model']}'"], gin_files=["gin_configs/data/tfds.gin"])
   assert np.isfinite(summary["last_loss"])
   assert (tmp_path / "checkpoints" / "2").exists()
+
+
+
+def test_a_corrupted_tfds_record_stops_the_run_naming_its_file(tiny_wiki_dir, demo_paths, tmp_path, capsys):
+  """tf.data says only 'corrupted record at OFFSET'; the line names the file too (a real bit flipped in a record's
+  data on disk, in a copy of the prepared dataset)."""
+  data_dir = tmp_path / "tfds"
+  shutil.copytree(tiny_wiki_dir, data_dir)
+  record_file, = data_dir.glob("tiny_wiki/1.0.0/*.tfrecord*")
+  flip_a_bit(record_file)
+  code, last = run_train(capsys, tmp_path / "run", "--gin_file=gin_configs/runs/bert_tiny_demo.gin",
+                         "--gin_file=gin_configs/data/tfds.gin",
+                         *[f"--gin_bindings={b}" for b in TINY_RUN], "--gin.TFDS_NAME='tiny_wiki:1.0.0'",
+                         f"--gin.TFDS_DATA_DIR='{data_dir}'", f"--gin.VOCAB_MODEL='{demo_paths['vocab_model']}'",
+                         "--gin.TRAIN_STEPS=2")
+  named = (rf"{re.escape(str(record_file))} is damaged: the record whose data starts at byte \d+ fails its checksum; "
+           "restore the file, or prepare the dataset again")
+  assert code == 1
+  assert re.fullmatch(rf"pretrain\.train: error: the train input failed to make the batch of step 1 \(DamagedFile: "
+                      rf"{named}\); no checkpoint yet in .*", last), last
+
+
+
+def test_only_the_file_whose_record_fails_its_checksum_is_named(tmp_path):
+  """Among TFRecord files written by TensorFlow alike, at the offset tf.data gives for a bit flipped in a record's
+  data."""
+  import tensorflow as tf
+
+  from data_pipelines import record_files
+  paths = [str(tmp_path / f"records-{index}.tfrecord") for index in range(3)]
+  for index, path in enumerate(paths):
+    with tf.io.TFRecordWriter(path) as writer:
+      for record in range(60):
+        writer.write(b"x" * (100 + record * (index + 1) % 37 * 10))
+  flip_a_bit(tmp_path / "records-1.tfrecord")
+  with pytest.raises(tf.errors.DataLossError) as failed:
+    for _ in tf.data.TFRecordDataset(paths[1]):
+      pass
+  offset = int(re.search(r"corrupted record at (\d+)", str(failed.value)).group(1))
+  assert record_files.corrupted_record_file(paths, offset) == paths[1]
+  assert record_files.corrupted_record_file([paths[0], paths[2]], offset) is None
 
 
 ARTICLE_WORDS = ("town", "founded", "economy", "Tourists")  # every sentence of article() has one

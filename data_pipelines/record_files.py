@@ -1,0 +1,57 @@
+"""Which TFRecord file a corrupted record is in: tf.data's DataLossError says only 'corrupted record at
+OFFSET', which, with a dataset of hundreds of files read in an interleave, names no file to mend.
+
+A TFRecord file is a run of records, each: its length (8 bytes, little-endian), the length's masked CRC-32C,
+the data, and the data's masked CRC-32C. TensorFlow gives the offset of the data whose checksum failed, so
+only the damaged file has a record whose length checks out 12 bytes before OFFSET and whose data does not; in
+the others that is a record that checks out, or no record at all. (A damaged length is told at the record's
+own start, where nothing checks out in any file: no file is named then.)
+"""
+import struct
+from typing import Iterable, Optional
+
+from data_pipelines import storage
+
+_HEADER_BYTES = 12  # the length and its checksum
+
+
+def _crc32c_table():
+  table = []
+  for byte in range(256):
+    crc = byte
+    for _ in range(8):
+      crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    table.append(crc)
+  return table
+
+
+_TABLE = _crc32c_table()
+
+
+def masked_crc32c(data: bytes) -> int:
+  """TFRecord's checksum: CRC-32C, rotated and offset (so that data holding its own CRC does not check out)."""
+  crc = 0xFFFFFFFF
+  for byte in data:
+    crc = _TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+  crc ^= 0xFFFFFFFF
+  return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def damaged_at(path: str, offset: int) -> bool:
+  """True if `path` holds a record whose data at `offset` fails its checksum while its length checks out."""
+  start = offset - _HEADER_BYTES
+  if start < 0 or storage.stat(path).length < offset:
+    return False
+  with storage.open_file(path, "rb") as f:
+    f.seek(start)
+    header = f.read(_HEADER_BYTES)
+    length_bytes, length_crc = header[:8], struct.unpack("<I", header[8:])[0]
+    if masked_crc32c(length_bytes) != length_crc:
+      return False  # no record starts here
+    data = f.read(struct.unpack("<Q", length_bytes)[0] + 4)
+  return len(data) < 4 or masked_crc32c(data[:-4]) != struct.unpack("<I", data[-4:])[0]
+
+
+def corrupted_record_file(paths: Iterable[str], offset: int) -> Optional[str]:
+  """The first of `paths` whose record data at `offset` is damaged, or None: one record read per file."""
+  return next((path for path in paths if damaged_at(path, offset)), None)

@@ -154,9 +154,9 @@ class InputPipeline:
                           record_paths=lambda: self._record_files(split))
 
   def _record_files(self, split: str) -> List[str]:
-    """The record files (TFDS's) that the split's sources read; plain text files are not records."""
+    """The record files that the split's TFDS sources read (text files are not records)."""
     return [path for task in seqio.get_subtasks(self.task)
-            if not isinstance(task.source, sources.TextDocumentSource) and split in task.source.splits
+            if isinstance(task.source, seqio.TfdsDataSource) and split in task.source.splits
             for path in task.source.list_shards(split)]
 
   def take(self, split: str, num_batches: int):

@@ -164,9 +164,8 @@ def run_program(main, program: str, interrupted: str = "") -> None:
         raise
       sys.exit(f"{program}: error: {(str(error).strip().splitlines() or [type(error).__name__])[0]}")
     except KeyboardInterrupt as stop:
-      by = signal.SIGTERM if isinstance(stop, _Stopped) else signal.SIGINT
-      print(f"{program}: stopped by {'SIGTERM' if by == signal.SIGTERM else 'Ctrl-C'}"
-            f"{': ' + interrupted if interrupted else ''}", file=sys.stderr)
+      by, name = (signal.SIGTERM, "SIGTERM") if isinstance(stop, _Stopped) else (signal.SIGINT, "Ctrl-C")
+      print(f"{program}: stopped by {name}{': ' + interrupted if interrupted else ''}", file=sys.stderr)
       sys.stdout.flush()
       sys.stderr.flush()
       os._exit(128 + by)  # now: a library's thread may still be in native code (sentencepiece's training)

@@ -279,7 +279,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         f"global batch {batch_size}, {jax.process_count()} process(es)")
 
     losses, step, preempted = [], int(state.step), False
-    start_step = step
+    start_step, position_survives = step, train_iterator.position_survives_failure
     batch = None
     if step < train_steps:
       # The first batch's start-up (reading, tokenizing, filling the shuffle buffers) happens once, while the
@@ -297,8 +297,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       try:
         host_batch = first_batch.result()
       except Exception as e:
-        raise _input_failed(e, step, model_dir, text_input=not train_iterator.position_survives_failure,
-                            resumed_from=start_step) from e
+        raise _input_failed(e, step, model_dir, text_input=not position_survives, resumed_from=start_step) from e
       batch = partitioning.global_batch(host_batch, mesh)
     signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
@@ -351,17 +350,17 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
             # Alone, this process keeps the steps since the last checkpoint where its data position still stands
             # before the failed batch (row streams). With others it cannot: they are in the next step's
             # collectives, not in a save.
-            alone, rows = jax.process_count() == 1, train_iterator.position_survives_failure
+            alone = jax.process_count() == 1
             if alone:
               finish(*unread)
               with events.timed("save", step=step):
-                if rows and step % checkpoint_every_steps:  # else saved just above
-                  saver.save(step, state)
-                if rows:
+                if position_survives:
+                  if step % checkpoint_every_steps:  # else saved just above
+                    saver.save(step, state)
                   saver.finish(step, state)
                 else:
                   saver.land()
-            raise _input_failed(e, step, model_dir, saved=alone and rows, text_input=not rows,
+            raise _input_failed(e, step, model_dir, saved=alone and position_survives, text_input=not position_survives,
                                 resumed_from=start_step) from e
           batch = partitioning.global_batch(host_batch, mesh)
     if unread:

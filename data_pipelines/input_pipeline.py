@@ -151,12 +151,13 @@ class InputPipeline:
                           write=self.process_index == 0)
     datasets = self.shard_datasets(split, shuffle=True)
     return ShardIterators({index: iter(ds.prefetch(2)) for index, ds in datasets.items()}, self.num_data_shards,
-                          record_paths=lambda: self._record_files(split))
+                          record_paths=lambda: self._source_files(split, seqio.TfdsDataSource),
+                          text_paths=lambda: self._source_files(split, sources.TextDocumentSource))
 
-  def _record_files(self, split: str) -> List[str]:
-    """The record files that the split's TFDS sources read (text files are not records)."""
+  def _source_files(self, split: str, kind: type) -> List[str]:
+    """The files that the split's sources of a kind read: TFDS's record files, or text files."""
     return [path for task in seqio.get_subtasks(self.task)
-            if isinstance(task.source, seqio.TfdsDataSource) and split in task.source.splits
+            if isinstance(task.source, kind) and split in task.source.splits
             for path in task.source.list_shards(split)]
 
   def take(self, split: str, num_batches: int):
@@ -202,15 +203,18 @@ class ShardIterators:
   same: the global batch is made of the same shards whichever process reads them.
 
   A read that fails moves a tf.data iterator past what it was reading (the file, and the batch's examples
-  taken before it), so after a failure the position saved would skip them.
+  taken before it), so after a failure the position saved would skip them. And a position saved in the
+  batches before a failure surfaced may hold it: tf.data saves what it has read ahead, a failed read among them.
   """
 
   position_survives_failure = False
 
   def __init__(self, iterators: Mapping[int, Iterator], num_shards: int,
-               record_paths: Callable[[], Sequence[str]] = list):
-    """`record_paths`: where to look for a record that tf.data found corrupted, to name its file."""
-    self.iterators, self.num_shards, self.record_paths = dict(iterators), num_shards, record_paths
+               record_paths: Callable[[], Sequence[str]] = list, text_paths: Callable[[], Sequence[str]] = list):
+    """`record_paths`: where to look for a record that tf.data found corrupted, to name its file; `text_paths`:
+    the text files read, for `mended_file`."""
+    self.iterators, self.num_shards = dict(iterators), num_shards
+    self.record_paths, self.text_paths = record_paths, text_paths
 
   def __iter__(self):
     return self
@@ -228,6 +232,18 @@ class ShardIterators:
     if len(batches) == 1:
       return {k: np.asarray(v) for k, v in batches[0].items()}
     return {k: np.concatenate([np.asarray(b[k]) for b in batches]) for k in batches[0]}
+
+  def mended_file(self, error: Exception) -> Optional[str]:
+    """The text file that a failed read names, if the whole of it reads now: the input was mended since."""
+    for path in self.text_paths():
+      if path in str(error):
+        try:
+          with storage.open_file(path, "rb") as f:
+            f.read()
+        except (OSError, tf.errors.OpError):
+          return None
+        return path
+    return None
 
   def _file(self, directory, index: int) -> str:
     return os.path.join(str(directory), f"shard_{index}_of_{self.num_shards}")

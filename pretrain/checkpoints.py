@@ -211,10 +211,15 @@ class Saver:
     self.manager = make_manager(self.model_dir, self.max_to_keep)
 
 
+def saved_steps(directory: epath.Path) -> List[int]:
+  """The steps with a directory of their own in a checkpoint directory, in order."""
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
+
+
 def newest_step(directory: epath.Path) -> Optional[int]:
   """The highest step with a directory of its own in a checkpoint directory, or None."""
-  steps = [int(p.name) for p in directory.iterdir() if p.name.isdigit()] if directory.exists() else []
-  return max(steps) if steps else None
+  steps = saved_steps(directory)
+  return steps[-1] if steps else None
 
 
 def _described(error: Exception, limit: int = 300) -> str:
@@ -357,9 +362,9 @@ def _position_weighted_sum(x):
   return jnp.sum(bits * (2 * position + 1), dtype=jnp.uint32)
 
 
-def set_aside(model_dir: str, step: int) -> epath.Path:
-  """Moves a damaged checkpoint out of the manager's sight, kept for inspection: MODEL_DIR/damaged/<step>."""
-  target = epath.Path(model_dir) / "damaged" / str(step)
+def set_aside(model_dir: str, step: int, into: str = "damaged") -> epath.Path:
+  """Moves a checkpoint out of the manager's sight, kept for inspection: MODEL_DIR/<into>/<step>."""
+  target = epath.Path(model_dir) / into / str(step)
   if jax.process_index() == 0:
     _move(checkpoint_dir(model_dir) / str(step), target)
   multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
@@ -394,9 +399,18 @@ def save_weights(model_dir: str, params, run_config: dict) -> None:
   manager.close()
 
 
+def _data_position(model_dir: str, step: int) -> epath.Path:
+  return checkpoint_dir(model_dir) / str(step) / "data_iterator"  # the Composite item's name in `save`
+
+
+def restore_data_position(model_dir: str, step: int, data_iterator) -> Optional[str]:
+  """Only the data position of `step`, into `data_iterator`; None, or why the saved position does not fit it."""
+  return data_iterator.restore(_data_position(model_dir, step))
+
+
 def has_data_iterator(model_dir: str, step: int) -> bool:
   """False for a weights-only checkpoint (written by `pretrain.import_hf`)."""
-  return (checkpoint_dir(model_dir) / str(step) / "data_iterator").exists()
+  return _data_position(model_dir, step).exists()
 
 
 def restore_params(model_dir: str, step: int, abstract_params=None):

@@ -16,8 +16,8 @@ from jax.experimental import multihost_utils
 from data_pipelines import input_pipeline, tasks
 from data_pipelines.background import Background
 from models import layers
-from pretrain import (checkpoints, compilation_cache, goodput_events, lease, optimizers, partitioning, run_files,
-                      signals, step_cache, steps)
+from pretrain import (checkpoints, compilation_cache, goodput_events, lease, optimizers, partitioning, replayed_reads,
+                      run_files, signals, step_cache, steps)
 from pretrain.errors import ConfigError, TrainingStopped, one_line, user_settings
 from pretrain.families.base import Family
 from pretrain.metrics import MetricsWriter, say
@@ -143,21 +143,39 @@ def _stop_if_diverging(step: int, metrics, max_skipped_in_a_row: int, manager, m
       "or raise WARMUP_STEPS, then resume")
 
 
-def _input_failed(error: Exception, step: int, model_dir: str, saved: bool = False, text_input: bool = False,
-                  resumed_from: int = 0) -> TrainingStopped:
-  """The stop after the train input failed to make the batch of step `step + 1`; `saved`: step `step` was saved."""
+def _input_failed(error: Exception, step: int, model_dir: str, iterator, new_iterator: Callable[[], Any],
+                  alone: bool, saved: bool = False) -> TrainingStopped:
+  """The stop after the train input failed to make the batch of step `step + 1`; `saved`: step `step` was saved.
+  Where this process reads a text input alone and the file that failed reads now, the checkpoints that hold the
+  failed read are set aside (`pretrain.replayed_reads`), so that the same command goes on from the newest that
+  does not."""
   where = checkpoints.checkpoint_dir(model_dir)
+  failed = f"the train input failed to make the batch of step {step + 1} ({type(error).__name__}: {one_line(error)})"
+  text_input = not iterator.position_survives_failure
+  mended = alone and text_input and iterator.mended_file(error)
+  if mended:
+    holding, resume_at = replayed_reads.holding_the_failure(model_dir, new_iterator, step + 1, mended)
+    if not holding:
+      going_on = (f"no checkpoint in {where} holds the failed read: the same command resumes from step {resume_at}"
+                  if resume_at is not None else f"no checkpoint yet in {where}: the same command starts again")
+      return TrainingStopped(f"{failed}; {mended} reads now, and {going_on}")
+    held = f"{', '.join(map(str, holding))} in {where} hold the failed read (tf.data saved it with their data position)"
+    if resume_at is None:
+      return TrainingStopped(f"{failed}; {mended} reads now, but every checkpoint, {held}: nothing was moved. "
+                             "Train in a new MODEL_DIR")
+    moved = [checkpoints.set_aside(model_dir, s, into=replayed_reads.SET_ASIDE) for s in holding]
+    return TrainingStopped(f"{failed}; {mended} reads now, but checkpoint(s) {held}: set aside in {moved[0].parent}. "
+                           f"The same command resumes from step {resume_at}")
   newest = checkpoints.newest_step(where)
   kept = (f"saved step {step}" if saved else "no checkpoint yet" if newest is None
           else f"the newest checkpoint is step {newest}")
   note = ""
   if text_input and newest is not None:
-    started = f"; this run resumed from step {resumed_from}" if resumed_from else ""
     note = (" (tf.data saves the batches a text input has read ahead with its position, a failed read among them: "
-            "if a resume fails the same way once the input is mended, move the checkpoint it resumed from, and any "
-            f"newer, out of {where.name}/ and resume again{started})")
-  return TrainingStopped(f"the train input failed to make the batch of step {step + 1} ({type(error).__name__}: "
-                         f"{one_line(error)}); {kept} in {where}{note}. Mend the input, then resume")
+            + ("a resume that meets it again once the input is mended sets aside the checkpoints that hold it)"
+               if alone else f"if a resume fails the same way once the input is mended, move the checkpoint it resumed "
+               f"from, and any newer, out of {where.name}/ and resume again)"))
+  return TrainingStopped(f"{failed}; {kept} in {where}{note}. Mend the input, then resume")
 
 
 @signals.handled
@@ -178,7 +196,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
   (`save_attempts`); another live run on model_dir stops this one before it starts (`pretrain.lease`).
   SIGTERM or Ctrl-C before the first step stops the run, saying where it was (`pretrain.signals`). An input
   that fails to make a batch stops the run too, after saving the step reached where one process runs alone
-  on an input whose position survives the failure (row streams).
+  on an input whose position survives the failure (row streams); alone on text, once the file that failed reads
+  again, the checkpoints that hold the failed read are set aside (`pretrain.replayed_reads`).
 
   Gradient accumulation: `microbatches` slices per step, or as many as give each data-parallel group
   of the mesh `microbatch_rows_per_group` rows at a time.
@@ -279,7 +298,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
         f"global batch {batch_size}, {jax.process_count()} process(es)")
 
     losses, step, preempted = [], int(state.step), False
-    start_step, position_survives = step, train_iterator.position_survives_failure
+    position_survives, alone = train_iterator.position_survives_failure, jax.process_count() == 1
+    new_train_iterator = lambda: data.iterator("train", say=say)  # noqa: E731  (to read a saved position again)
     batch = None
     if step < train_steps:
       # The first batch's start-up (reading, tokenizing, filling the shuffle buffers) happens once, while the
@@ -297,7 +317,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
       try:
         host_batch = first_batch.result()
       except Exception as e:
-        raise _input_failed(e, step, model_dir, text_input=not position_survives, resumed_from=start_step) from e
+        raise _input_failed(e, step, model_dir, train_iterator, new_train_iterator, alone) from e
       batch = partitioning.global_batch(host_batch, mesh)
     signals.training_begins()
     throughput = Throughput(setup, batch_size, steps.tokens_per_batch(batch_size, task_feature_lengths), step)
@@ -350,7 +370,6 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
             # Alone, this process keeps the steps since the last checkpoint where its data position still stands
             # before the failed batch (row streams). With others it cannot: they are in the next step's
             # collectives, not in a save.
-            alone = jax.process_count() == 1
             if alone:
               finish(*unread)
               with events.timed("save", step=step):
@@ -360,8 +379,8 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
                   saver.finish(step, state)
                 else:
                   saver.land()
-            raise _input_failed(e, step, model_dir, saved=alone and position_survives, text_input=not position_survives,
-                                resumed_from=start_step) from e
+            raise _input_failed(e, step, model_dir, train_iterator, new_train_iterator, alone,
+                                saved=alone and position_survives) from e
           batch = partitioning.global_batch(host_batch, mesh)
     if unread:
       finish(*unread)

@@ -83,11 +83,13 @@ def test_a_token_damaged_mid_run_saves_the_step_reached_and_the_mended_file_resu
   assert resumed == whole
 
 
-def test_text_files_lost_mid_run_stop_it_at_a_checkpoint_that_reads_them_again(tmp_path, capsys, demo_paths):
+def test_text_files_lost_mid_run_stop_it_and_the_checkpoints_that_hold_the_failed_read_are_set_aside(
+    tmp_path, capsys, demo_paths):
   """A text input's tf.data iterator moves past a file that fails to read (and the batch it was making), so the
   step reached is not saved; and the positions its iterators saved a few batches before the failure surfaced may
-  hold it (tf.data keeps its read-ahead, errors included), which the line says how to step past. Once the files
-  are back, the resume goes on exactly as a run that never lost them. The files are really removed mid-run."""
+  hold it (tf.data keeps its read-ahead, errors included). Once the files are back, the resume that meets the
+  failure again sets those checkpoints aside, and the next goes on exactly as a run that never lost them. The files
+  are really removed mid-run."""
   documents = Path(demo_paths["train"]).read_text().split("\n\n")[:480]
   corpus, kept = tmp_path / "text", tmp_path / "kept"
   corpus.mkdir()
@@ -100,6 +102,9 @@ def test_text_files_lost_mid_run_stop_it_at_a_checkpoint_that_reads_them_again(t
               f"optimizers.warmup_linear_decay.total_steps = {TEXT_STEPS}"]
   run = tmp_path / "run"
   checkpoint_dir = run / "checkpoints"
+
+  def saved_steps():
+    return sorted(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit())
 
   def remove_the_files_once_step_3_is_saved():  # its metrics are written after its save, once step 4 is under way
     while not (run / "metrics.jsonl").exists() or max(logged_losses(run), default=0) < 3:
@@ -122,30 +127,33 @@ def test_text_files_lost_mid_run_stop_it_at_a_checkpoint_that_reads_them_again(t
   failed = int(re.search(r"failed to make the batch of step (\d+) \(NotFoundError: .*part-\d\d\.txt", last).group(1))
   newest = (failed - 1) // 3 * 3  # the step reached is never saved, unless a checkpoint was due there
   assert 3 < failed < TEXT_STEPS - 2, last
-  assert max(int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit()) == newest, last
-  advice = ("(tf.data saves the batches a text input has read ahead with its position, a failed read among them: if "
-            "a resume fails the same way once the input is mended, move the checkpoint it resumed from, and any "
-            "newer, out of checkpoints/ and resume again")
-  assert last.endswith(f"the newest checkpoint is step {newest} in {checkpoint_dir} {advice}). Mend the input, "
+  assert saved_steps()[-1] == newest, last
+  assert last.endswith(f"the newest checkpoint is step {newest} in {checkpoint_dir} (tf.data saves the batches a text "
+                       "input has read ahead with its position, a failed read among them: a resume that meets it "
+                       "again once the input is mended sets aside the checkpoints that hold it). Mend the input, "
                        "then resume"), last
 
   for part in kept.iterdir():
     part.rename(corpus / part.name)
   end = failed + 1
-  set_aside = 0
-  while True:  # as the line says; checkpoint 3 was saved before the files went
-    try:
-      train("bert_tiny_demo", run, end, bindings)
-      break
-    except TrainingStopped as e:
-      assert f"{advice}; this run resumed from step {newest})" in str(e) and newest > 3, str(e)
-      for step in [int(p.name) for p in checkpoint_dir.iterdir() if p.name.isdigit() and int(p.name) >= newest]:
-        (checkpoint_dir / str(step)).rename(tmp_path / f"set_aside_{step}_{set_aside}")
-      newest, set_aside = newest - 3, set_aside + 1
-  print(f"failed at step {failed}; {set_aside} checkpoint(s) set aside; resumed from step {newest}")
+  before = saved_steps()
+  with pytest.raises(TrainingStopped) as replayed:  # from checkpoint `newest`, which holds the failed read
+    train("bert_tiny_demo", run, end, bindings)
+  said = re.search(rf"failed to make the batch of step {failed} \(NotFoundError: .*; (\S+part-\d\d\.txt) reads now, "
+                   rf"but checkpoint\(s\) ([\d, ]+) in {checkpoint_dir} hold the failed read \(tf.data saved it with "
+                   rf"their data position\): set aside in {run}/replayed. The same command resumes from step (\d+)$",
+                   str(replayed.value))
+  assert said and Path(said.group(1)).parent == corpus, str(replayed.value)
+  holding, resume_at = [int(s) for s in said.group(2).split(", ")], int(said.group(3))
+  assert holding[0] == newest and resume_at >= 3 and holding == sorted(s for s in before if s > resume_at)[::-1]
+  assert saved_steps() == [s for s in before if s <= resume_at]
+  assert sorted(int(p.name) for p in (run / "replayed").iterdir()) == sorted(holding)
+  print(f"failed at step {failed}; checkpoint(s) {holding} set aside; resumed from step {resume_at}")
+
+  train("bert_tiny_demo", run, end, bindings)
   train("bert_tiny_demo", tmp_path / "never_lost", end, bindings)
   resumed, whole = logged_losses(run), logged_losses(tmp_path / "never_lost")
-  assert [resumed[s] for s in range(newest + 1, end + 1)] == [whole[s] for s in range(newest + 1, end + 1)]
+  assert [resumed[s] for s in range(resume_at + 1, end + 1)] == [whole[s] for s in range(resume_at + 1, end + 1)]
 
 
 def test_a_corrupted_record_read_by_tf_data_is_told_in_one_line(tmp_path):

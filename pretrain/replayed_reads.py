@@ -29,11 +29,11 @@ def holding_the_failure(model_dir: str, new_iterator: Callable[[], object], fail
 
 
 def _meets_it_again(model_dir: str, step: int, iterator, failed_step: int, file: str) -> bool:
-  if checkpoints.restore_data_position(model_dir, step, iterator):  # a position that does not fit this input
-    return False
   try:
+    if checkpoints.restore_data_position(model_dir, step, iterator):  # a position that does not fit this input
+      return False
     for _ in range(failed_step - step):
       next(iterator)
-  except Exception as e:  # whatever tf.data raises for the read, classified by the file it names
+  except Exception as e:  # whatever tf.data raises, classified by the file it names (not so a damaged checkpoint's)
     return file in str(e)
   return False

@@ -3,6 +3,7 @@
 It knows models only through a `Family` (pretrain/families/base.py) and data only through a seqio
 task name and `data_pipelines.input_pipeline`; the state and the jitted steps are `pretrain.steps`.
 """
+import functools
 import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -159,13 +160,14 @@ def _input_failed(error: Exception, step: int, model_dir: str, iterator, new_ite
       going_on = (f"no checkpoint in {where} holds the failed read: the same command resumes from step {resume_at}"
                   if resume_at is not None else f"no checkpoint yet in {where}: the same command starts again")
       return TrainingStopped(f"{failed}; {mended} reads now, and {going_on}")
-    held = f"{', '.join(map(str, holding))} in {where} hold the failed read (tf.data saved it with their data position)"
+    steps_held = f"{', '.join(map(str, holding))} in {where}"
+    why = "(tf.data saved it with their data position)"
     if resume_at is None:
-      return TrainingStopped(f"{failed}; {mended} reads now, but every checkpoint, {held}: nothing was moved. "
-                             "Train in a new MODEL_DIR")
+      return TrainingStopped(f"{failed}; {mended} reads now, but every checkpoint ({steps_held}) holds the failed read "
+                             f"{why}: nothing was moved. Train in a new MODEL_DIR")
     moved = [checkpoints.set_aside(model_dir, s, into=replayed_reads.SET_ASIDE) for s in holding]
-    return TrainingStopped(f"{failed}; {mended} reads now, but checkpoint(s) {held}: set aside in {moved[0].parent}. "
-                           f"The same command resumes from step {resume_at}")
+    return TrainingStopped(f"{failed}; {mended} reads now, but checkpoint(s) {steps_held} hold the failed read {why}: "
+                           f"set aside in {moved[0].parent}. The same command resumes from step {resume_at}")
   newest = checkpoints.newest_step(where)
   kept = (f"saved step {step}" if saved else "no checkpoint yet" if newest is None
           else f"the newest checkpoint is step {newest}")
@@ -299,7 +301,7 @@ def train(*, model_dir: str, family: Family, mixture_or_task_name: str, task_fea
 
     losses, step, preempted = [], int(state.step), False
     position_survives, alone = train_iterator.position_survives_failure, jax.process_count() == 1
-    new_train_iterator = lambda: data.iterator("train", say=say)  # noqa: E731  (to read a saved position again)
+    new_train_iterator = functools.partial(data.iterator, "train", say=say)  # to read a saved position again
     batch = None
     if step < train_steps:
       # The first batch's start-up (reading, tokenizing, filling the shuffle buffers) happens once, while the

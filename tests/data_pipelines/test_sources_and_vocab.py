@@ -213,6 +213,24 @@ def test_only_the_file_whose_record_fails_its_checksum_is_named(tmp_path):
   assert record_files.corrupted_record_file([paths[0], paths[2]], offset) is None
 
 
+def test_a_text_file_that_failed_to_read_is_mended_once_it_reads_whole_again(tmp_path):
+  """The file a tf.data read error names, among the text files read; gone, it is not mended; back, it is."""
+  import tensorflow as tf
+  files = [tmp_path / f"part-{index}.txt" for index in range(3)]
+  for file in files:
+    file.write_text("One sentence.\n")
+  paths = [str(file) for file in files]
+  files[1].rename(tmp_path / "away.txt")
+  with pytest.raises(tf.errors.NotFoundError) as failed:
+    for _ in tf.data.Dataset.from_tensor_slices(paths).map(tf.io.read_file):
+      pass
+  iterators = input_pipeline.ShardIterators({}, 1, text_paths=lambda: paths)
+  assert iterators.mended_file(failed.value) is None
+  (tmp_path / "away.txt").rename(paths[1])
+  assert iterators.mended_file(failed.value) == paths[1]
+  assert input_pipeline.ShardIterators({}, 1, text_paths=lambda: [paths[0], paths[2]]).mended_file(failed.value) is None
+
+
 ARTICLE_WORDS = ("town", "founded", "economy", "Tourists")  # every sentence of article() has one
 CHAPTER_WORDS = ("Chapter", "sailors", "Storms", "ship")  # every sentence of chapter() has one
 

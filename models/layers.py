@@ -210,7 +210,8 @@ def softmax(scores: jax.Array, dtype: Dtype, keep_output_as_written: bool = Fals
   reads it. `keep_output_as_written` puts an optimization barrier between them. XLNet's scores sum three
   products: on an H200 XLA kept exp(scores - max) in fp32, and with the barrier XLNet-Large's 2-layer plan takes
   5.21 ms and 2.56 GiB, against 5.31 ms and 2.83 GiB. BERT's XLA attention, whose scores are one product,
-  plans 8% slower with it (benchmarks/README.md, "Plans for GPUs"). XLNet-Large's v3-512 plan is the same.
+  plans 8% slower with it (benchmarks/README.md, "Plans for GPUs"), and XLNet-Large's v3-512 plan 3% slower: XLNet
+  asks for it on GPUs only (models/xlnet.py, `probs_kept_for_device`).
   """
   return jax.nn.softmax(scores, axis=-1).astype(dtype)
 

@@ -35,6 +35,17 @@ MEMORY_AXES = ("activation_batch", None, "activation_length", "activation_embed"
 BIAS_NAMES = ("r_w_bias", "r_r_bias", "r_s_bias")  # content, position and segment biases
 MASKED_SCORE = 1e30  # subtracted from blocked scores, as the reference does
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "triton")
+# What attention's backward pass reads of the probabilities: 'written', the forward's output behind an optimization
+# barrier (layers.softmax's keep_output_as_written); 'xla', whatever XLA keeps to have them again; 'auto', the chip's.
+PROBS_KEPT = ("auto", "written", "xla")
+
+
+def probs_kept_for_device(device) -> str:
+  """'written' on GPUs, where XLA otherwise kept exp(scores - max) in fp32: XLNet-Large's 2-layer H200 plan takes
+  5.21 ms and 2.56 GiB with the barrier, 5.31 ms and 2.83 GiB without. 'xla' elsewhere: on TPUs the barrier costs,
+  XLNet-Large's v3-512 plan >= 0.854 s and 11.46 GiB per core with it, 0.831 s and 11.05 GiB without (libtpu
+  0.0.42.1, benchmarks/plan_xlnet_large_v3_512.py)."""
+  return "written" if device.platform in ("gpu", "cuda") else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,11 +76,12 @@ class XLNetConfig:
   # (NVIDIA GPUs; a CPU interprets it), where its shapes tile, XLA's elsewhere. 'auto' is 'xla' on every chip:
   # the kernel is not yet measured on a GPU.
   attention_implementation: str = "auto"
+  attention_probs_kept: str = "auto"  # PROBS_KEPT
 
   def __post_init__(self):
-    if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
-      raise ValueError(f"attention_implementation={self.attention_implementation!r}: expected one of "
-                       f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    for name, known in (("attention_implementation", ATTENTION_IMPLEMENTATIONS), ("attention_probs_kept", PROBS_KEPT)):
+      if getattr(self, name) not in known:
+        raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(known)}")
     if self.attn_type != "bi":
       raise ValueError(f"attn_type={self.attn_type!r}: only 'bi' (XLNet pretraining's attention) is supported")
     layers.check_at_least(1, vocab_size=self.vocab_size, d_model=self.d_model, n_layer=self.n_layer,
@@ -262,7 +274,11 @@ class RelativeAttention(nn.Module):
       position, segment = position_and_segment(query, seg_diff, shift, key_r)
       scores = (content + position + segment).astype(jnp.float32) / jnp.sqrt(jnp.float32(cfg.d_head))
       # Softmax in fp32: bf16 loses too much in the normaliser.
-      probs = layers.softmax(scores - MASKED_SCORE * mask[:, None], cfg.dtype, keep_output_as_written=True)
+      kept = cfg.attention_probs_kept
+      if kept == "auto":  # a model used outside a run's setup, which resolves it for the mesh's chip
+        kept = probs_kept_for_device(jax.devices()[0])
+      probs = layers.softmax(scores - MASKED_SCORE * mask[:, None], cfg.dtype,
+                             keep_output_as_written=kept == "written")
       probs = drop(probs, deterministic=deterministic)
       return layers.constrain(jnp.einsum("bnij,bjnd->bind", probs, value), layers.BATCH_LENGTH_HEADS_KV)
 

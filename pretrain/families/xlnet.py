@@ -4,7 +4,8 @@ from typing import ClassVar
 
 import jax.numpy as jnp
 
-from models.xlnet import ATTENTION_IMPLEMENTATIONS, MEMORY_AXES, XLNetConfig, XLNetLMHeadModel
+from models.xlnet import (ATTENTION_IMPLEMENTATIONS, MEMORY_AXES, PROBS_KEPT, XLNetConfig, XLNetLMHeadModel,
+                          probs_kept_for_device)
 from pretrain.errors import ConfigError
 from pretrain.families.base import DEVICE_CHOICES, Family, weighted_cross_entropy
 
@@ -17,7 +18,8 @@ class XLNetFamily(Family):
   layer_count_fields: tuple = ("n_layer",)
   # Its relative attention: XLA's on every chip until the Triton kernel with a bias is measured on a GPU.
   device_choices: ClassVar[dict] = {**DEVICE_CHOICES,
-                                    "attention_implementation": (ATTENTION_IMPLEMENTATIONS, lambda device: "xla")}
+                                    "attention_implementation": (ATTENTION_IMPLEMENTATIONS, lambda device: "xla"),
+                                    "attention_probs_kept": (PROBS_KEPT, probs_kept_for_device)}
 
   def make_model(self):
     return XLNetLMHeadModel(self.config)

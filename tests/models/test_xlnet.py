@@ -270,3 +270,19 @@ def test_xlnet_attention_takes_its_own_implementations():
   assert XLNetFamily(SMALL).for_device(device).config.attention_implementation == "xla"  # 'auto'
   triton = XLNetFamily(dataclasses.replace(SMALL, attention_implementation="triton"))
   assert triton.for_device(device).config.attention_implementation == "triton"  # a CPU interprets it
+
+
+def test_attentions_backward_pass_reads_the_probabilities_as_written_on_gpus_only():
+  """A GPU's 'auto' puts the barrier in (XLA kept fp32 exponentials otherwise), a TPU's leaves XLA to choose (the
+  barrier made the v3-512 plan slower); a choice made is kept whatever the chip, and an unknown one refused."""
+  import types
+  chip = lambda platform, kind: types.SimpleNamespace(platform=platform, device_kind=kind,  # noqa: E731
+                                                      compute_capability="9.0")
+  family = XLNetFamily(SMALL)
+  assert family.for_device(chip("gpu", "NVIDIA H200")).config.attention_probs_kept == "written"
+  for tpu in ("TPU v3", "TPU v5 lite"):
+    assert family.for_device(chip("tpu", tpu)).config.attention_probs_kept == "xla"
+  chosen = XLNetFamily(dataclasses.replace(SMALL, attention_probs_kept="written"))
+  assert chosen.for_device(chip("tpu", "TPU v3")).config.attention_probs_kept == "written"
+  with pytest.raises(ValueError, match="attention_probs_kept='kept': expected one of auto, written, xla"):
+    XLNetConfig(attention_probs_kept="kept")
